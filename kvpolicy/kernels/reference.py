@@ -1,0 +1,333 @@
+"""Pure-PyTorch references, one per kernel, shared by tests and benchmarks.
+
+Every function here is written to be obviously correct, not fast: bits are expanded one
+per element, groups are formed by reshapes, attention materialises the full score
+matrix in fp32. The torch and Triton backends implement the same signatures over the
+same layout (:mod:`kvpolicy.kernels.layout`) and are tested against these.
+
+Conventions
+-----------
+* Cached tensors are ``[B, H, T, D]``; queries ``[B, Hq, Tq, D]`` with ``Hq % Hkv == 0``
+  (query head ``h`` reads kv head ``h // (Hq // Hkv)``: GQA, MQA when ``Hkv == 1``).
+* Attention over one *segment* returns ``(out, lse)``: the softmax-normalised output of
+  that segment alone and the log-sum-exp of its scaled, masked scores. Segments (sinks,
+  packed groups, residual window) are combined by :func:`merge_partials`, which gives
+  exactly the softmax over their union.
+* Masks are additive floats broadcastable to ``[B, Hq, Tq, Tk]``; ``-inf`` hides a key.
+  A row that sees no key yields ``out = 0`` and ``lse = -inf`` (never NaN).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import CacheError
+from .layout import Packed, QuantSpec, RotarySpec
+
+__all__ = [
+    "pack_bits",
+    "unpack_bits",
+    "quantize",
+    "dequantize",
+    "apply_rope",
+    "attention_partial",
+    "merge_partials",
+    "merge_partials_lse",
+    "packed_attention_partial",
+]
+
+
+# --------------------------------------------------------------------------- bit packing
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``bits``-wide codes along the last dim into a little-endian bit stream.
+
+    Args:
+        codes: uint8 ``[..., N]`` with values in ``[0, 2**bits)``; ``N * bits % 8 == 0``.
+        bits: code width, 1..8.
+    Returns:
+        uint8 ``[..., N * bits // 8]``; element ``i`` occupies stream bits
+        ``[i*bits, (i+1)*bits)`` counted from the least significant bit of byte 0.
+    """
+    if codes.dtype != torch.uint8:
+        raise CacheError(f"pack_bits expects uint8 codes, got {codes.dtype}; cast with .to(uint8)")
+    if not 1 <= bits <= 8:
+        raise CacheError(f"pack_bits: bits={bits} must be in 1..8")
+    n = codes.shape[-1]
+    if (n * bits) % 8 != 0:
+        raise CacheError(f"pack_bits: {n} codes of {bits} bits do not fill whole bytes")
+    shifts = torch.arange(bits, device=codes.device, dtype=torch.uint8)
+    # [..., N, bits]: bit j of code i is stream bit i*bits + j.
+    stream = (codes.unsqueeze(-1) >> shifts) & 1
+    stream = stream.reshape(*codes.shape[:-1], n * bits // 8, 8)
+    weights = torch.arange(8, device=codes.device, dtype=torch.uint8)
+    return (stream << weights).sum(dim=-1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: uint8 ``[..., M]`` -> uint8 codes ``[..., M * 8 // bits]``."""
+    if packed.dtype != torch.uint8:
+        raise CacheError(f"unpack_bits expects uint8, got {packed.dtype}")
+    if not 1 <= bits <= 8:
+        raise CacheError(f"unpack_bits: bits={bits} must be in 1..8")
+    m = packed.shape[-1]
+    if (m * 8) % bits != 0:
+        raise CacheError(f"unpack_bits: {m} bytes do not hold a whole number of {bits}-bit codes")
+    weights = torch.arange(8, device=packed.device, dtype=torch.uint8)
+    stream = (packed.unsqueeze(-1) >> weights) & 1  # [..., M, 8]
+    stream = stream.reshape(*packed.shape[:-1], m * 8 // bits, bits)
+    shifts = torch.arange(bits, device=packed.device, dtype=torch.uint8)
+    return (stream << shifts).sum(dim=-1, dtype=torch.int32).to(torch.uint8)
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+def _check_4d(x: torch.Tensor, what: str) -> None:
+    if x.dim() != 4:
+        raise CacheError(f"{what} must be [B, H, T, D], got shape {tuple(x.shape)}")
+
+
+def _grouped(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """View ``x [B,H,T,D]`` with each group along the last dim.
+
+    channel: ``[B, H, T//G, D, G]`` (G consecutive tokens of one channel)
+    token:   ``[B, H, T, D//G, G]`` (G consecutive channels of one token)
+    """
+    b, h, t, d = x.shape
+    g = spec.group_size
+    if spec.axis == "channel":
+        if t % g != 0:
+            raise CacheError(
+                f"per-channel quantization needs whole token groups: T={t} is not a "
+                f"multiple of group_size={g}; keep the remainder in the residual window"
+            )
+        return x.reshape(b, h, t // g, g, d).transpose(3, 4)
+    if d % g != 0:
+        raise CacheError(
+            f"per-token quantization needs whole channel groups: head_dim={d} is not a "
+            f"multiple of group_size={g}; use a group_size that divides {d}"
+        )
+    return x.reshape(b, h, t, d // g, g)
+
+
+def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None) -> Packed:
+    """Quantize ``x`` into the packed layout of :mod:`kvpolicy.kernels.layout`.
+
+    Args:
+        x: ``[B, H, T, D]`` float. For ``spec.axis == "channel"`` T must be a multiple of
+            ``spec.group_size``; for ``"token"`` D must be.
+        spec: bits, group size, axis.
+        dtype: dtype of the stored scale/zero (and of the plain tensor when
+            ``spec.bits == 16``); defaults to ``x.dtype``.
+    Returns:
+        :class:`Packed`; for 16 bits ``Packed(x, empty, empty)``.
+    """
+    _check_4d(x, "quantize input")
+    dtype = x.dtype if dtype is None else dtype
+    if spec.full_precision:
+        empty = x.new_empty(0, dtype=dtype)
+        return Packed(x.to(dtype), empty, empty)
+    levels = (1 << spec.bits) - 1
+    groups = _grouped(x, spec).float()  # [..., n_groups_a, n_groups_b, G]
+    lo = groups.amin(dim=-1)
+    hi = groups.amax(dim=-1)
+    # Codes are computed against the *stored* (rounded) scale and zero.
+    zero = lo.to(dtype)
+    scale = ((hi - lo) / levels).to(dtype)
+    z32 = zero.float().unsqueeze(-1)
+    s32 = scale.float().unsqueeze(-1)
+    safe = torch.where(s32 > 0, s32, torch.ones_like(s32))
+    codes = torch.round((groups - z32) / safe).clamp_(0, levels)
+    codes = torch.where(s32 > 0, codes, torch.zeros_like(codes)).to(torch.uint8)
+    b, h, t, d = x.shape
+    if spec.axis == "channel":
+        # codes [B,H,T//G,D,G]: pack along G, then put D innermost.
+        packed = pack_bits(codes, spec.bits).transpose(3, 4).contiguous()
+    else:
+        packed = pack_bits(codes.reshape(b, h, t, d), spec.bits)
+    return Packed(packed, scale.contiguous(), zero.contiguous())
+
+
+def dequantize(p: Packed, spec: QuantSpec, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Reconstruct ``[B, H, T, D]`` from a :class:`Packed` segment (``code*scale + zero``).
+
+    The product is formed in fp32 and cast to ``dtype`` at the end.
+    """
+    if spec.full_precision:
+        return p.codes.to(dtype)
+    codes, scale, zero = p
+    if spec.axis == "channel":
+        if codes.dim() != 5:
+            raise CacheError(f"channel-packed codes must be 5-D, got {tuple(codes.shape)}")
+        b, h, n, _, d = codes.shape
+        g = spec.group_size
+        c = unpack_bits(codes.transpose(3, 4), spec.bits).float()  # [B,H,n,D,G]
+        x = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+        return x.transpose(3, 4).reshape(b, h, n * g, d).to(dtype)
+    if codes.dim() != 4:
+        raise CacheError(f"token-packed codes must be 4-D, got {tuple(codes.shape)}")
+    b, h, t, _ = codes.shape
+    c = unpack_bits(codes, spec.bits).float()  # [B,H,T,D]
+    d = c.shape[-1]
+    c = c.reshape(b, h, t, d // spec.group_size, spec.group_size)
+    x = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    return x.reshape(b, h, t, d).to(dtype)
+
+
+# --------------------------------------------------------------------------- rotary
+
+
+def rope_tables(
+    rope: RotarySpec, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather ``cos``/``sin`` rows for ``positions [B, T]`` -> two ``[B, 1, T, rotary_dim]``."""
+    if positions.dtype not in (torch.int64, torch.int32):
+        raise CacheError(f"positions must be int64, got {positions.dtype}")
+    if positions.numel() and (
+        int(positions.min()) < 0 or int(positions.max()) >= rope.max_positions
+    ):
+        raise CacheError(
+            f"positions span [{int(positions.min())}, {int(positions.max())}] but the rotary "
+            f"table has {rope.max_positions} rows; build the RotarySpec with more positions"
+        )
+    pos = positions.to(rope.cos.device).long()
+    return rope.cos[pos].unsqueeze(1), rope.sin[pos].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, rope: RotarySpec) -> torch.Tensor:
+    """Rotate ``x [B, H, T, D]`` with each token at its own position ``positions [B, T]``.
+
+    Channels ``>= rope.rotary_dim`` pass through unchanged. Computed in fp32, returned in
+    ``x.dtype``.
+    """
+    _check_4d(x, "apply_rope input")
+    r = rope.rotary_dim
+    if r % 2 != 0 or r > x.shape[-1]:
+        raise CacheError(f"rotary_dim={r} must be even and <= head_dim={x.shape[-1]}")
+    if positions.shape != (x.shape[0], x.shape[2]):
+        raise CacheError(
+            f"positions must be [B, T] = {(x.shape[0], x.shape[2])}, got {tuple(positions.shape)}"
+        )
+    cos, sin = rope_tables(rope, positions)
+    cos = cos.to(x.device, torch.float32)
+    sin = sin.to(x.device, torch.float32)
+    xf = x.float()
+    xr, rest = xf[..., :r], xf[..., r:]
+    if rope.style == "rotate_half":
+        rot = torch.cat((-xr[..., r // 2 :], xr[..., : r // 2]), dim=-1)
+    elif rope.style == "interleaved":
+        rot = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        raise CacheError(f"unknown rotary style {rope.style!r}; use rotate_half or interleaved")
+    out = torch.cat((xr * cos + rot * sin, rest), dim=-1)
+    return out.to(x.dtype)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _expand_kv(k: torch.Tensor, hq: int) -> torch.Tensor:
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise CacheError(f"{hq} query heads are not a multiple of {hkv} kv heads")
+    return k.repeat_interleave(hq // hkv, dim=1)
+
+
+def attention_partial(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over one segment, returning its output and log-sum-exp.
+
+    Args:
+        q: ``[B, Hq, Tq, D]``; k, v: ``[B, Hkv, Tk, D]`` with ``Hq % Hkv == 0``.
+        scale: multiplies ``q·k``.
+        mask: additive float, broadcastable to ``[B, Hq, Tq, Tk]`` (``-inf`` hides), or None.
+    Returns:
+        ``out`` fp32 ``[B, Hq, Tq, D]`` and ``lse`` fp32 ``[B, Hq, Tq]``; rows that see no
+        key give ``out = 0``, ``lse = -inf``.
+    """
+    b, hq, tq, _ = q.shape
+    dv = v.shape[-1]
+    tk = k.shape[2]
+    if tk == 0:
+        return (
+            q.new_zeros(b, hq, tq, dv, dtype=torch.float32),
+            q.new_full((b, hq, tq), float("-inf"), dtype=torch.float32),
+        )
+    kf = _expand_kv(k.float(), hq)
+    vf = _expand_kv(v.float(), hq)
+    s = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s + mask.float()
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    out = torch.matmul(p, vf) / torch.where(denom > 0, denom, torch.ones_like(denom))
+    lse = (m + torch.log(denom)).squeeze(-1)  # log(0) = -inf for fully hidden rows
+    return out, lse
+
+
+def merge_partials_lse(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-sum-exp merge of per-segment ``(out, lse)`` pairs; returns ``(out, lse)``.
+
+    The result equals softmax attention over the union of the segments' keys.
+    """
+    if not parts:
+        raise CacheError("merge_partials needs at least one (out, lse) pair")
+    outs = torch.stack([o.float() for o, _ in parts])  # [n, B, Hq, Tq, D]
+    lses = torch.stack([s.float() for _, s in parts])  # [n, B, Hq, Tq]
+    m = lses.amax(dim=0)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lses - m)  # exp(-inf) = 0 for empty segments
+    total = w.sum(dim=0)
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    out = (w.unsqueeze(-1) * outs).sum(dim=0) / safe.unsqueeze(-1)
+    return out, m + torch.log(total)
+
+
+def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Combine per-segment ``(out, lse)`` pairs into one attention output (fp32)."""
+    return merge_partials_lse(parts)[0]
+
+
+def packed_attention_partial(
+    q: torch.Tensor,
+    k: Packed,
+    v: Packed,
+    k_spec: QuantSpec,
+    v_spec: QuantSpec,
+    *,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    rope: RotarySpec | None = None,
+    k_positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over a packed segment: dequantize, rotate keys, :func:`attention_partial`.
+
+    Args:
+        q: ``[B, Hq, Tq, D]`` (already rotated by the model).
+        k, v: packed ``[B, Hkv, Tk, D]`` segments in the layouts of ``k_spec``/``v_spec``.
+        scale, mask: as in :func:`attention_partial` (mask over this segment's Tk keys).
+        rope: if given, keys are stored pre-RoPE and rotated at ``k_positions [B, Tk]``.
+    Returns:
+        ``(out [B, Hq, Tq, D] fp32, lse [B, Hq, Tq] fp32)``.
+    """
+    kd = dequantize(k, k_spec, torch.float32)
+    vd = dequantize(v, v_spec, torch.float32)
+    if rope is not None:
+        if k_positions is None:
+            raise CacheError("pre-RoPE keys need k_positions [B, Tk]")
+        kd = apply_rope(kd, k_positions, rope)
+    return attention_partial(q, kd, vd, scale=scale, mask=mask)
