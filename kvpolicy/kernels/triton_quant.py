@@ -1,0 +1,252 @@
+"""Triton quantize-and-pack kernel for cache appends (layout: :mod:`.layout`).
+
+One kernel serves both layouts. Seen from the kernel, a ``[B, H, T, D]`` tensor is, per
+(batch, head), a set of *groups* along a group axis and *lanes* along the other axis:
+
+* ``axis="channel"``: groups of G consecutive tokens; lanes are the D channels.
+* ``axis="token"``: groups of G consecutive channels; lanes are the T tokens.
+
+A program reduces one group for a block of lanes to its min/max, stores scale and zero in
+the cache dtype, and packs the codes computed against the *stored* values, exactly as
+:func:`kvpolicy.kernels.reference.quantize` does (same fp32 operations, IEEE division,
+round half to even), so the codes are bit-identical.
+
+Packing works in *chunks*: ``CH = 8 // gcd(bits, 8)`` codes fill ``CB = CH * bits // 8``
+whole bytes (8 codes -> 3 bytes at 3 bits). ``G * bits % 8 == 0`` makes every group a
+whole number of chunks, so a program assembles each chunk in an int32 and writes its CB
+bytes; 3-bit codes straddle bytes inside a chunk and never across chunks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import CacheError
+from .layout import Packed, QuantSpec
+
+__all__ = ["quantize"]
+
+
+def _interpreting() -> bool:
+    """True when Triton runs in interpreter mode (decided, like ``triton.jit``, at import)."""
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+_INTERPRET = _interpreting()
+
+
+def _keep_quant_config(configs, named_args, **kwargs):
+    """Prune filter: no lane block wider than the (power-of-two padded) lane count."""
+    lanes = triton.next_power_of_2(named_args["n_lanes"])
+    kept = [c for c in configs if c.kwargs["BLOCK_L"] <= max(lanes, 16)]
+    return kept or configs[:1]
+
+
+# NOTE: an append is a few KB, so these only bound the launch; the autotuner picks per
+# (group size, lane count). Under the interpreter a single config is kept: tuning there
+# would time the interpreter, not a GPU.
+_QUANT_CONFIGS = [
+    triton.Config({"BLOCK_L": bl}, num_warps=nw)
+    for bl in (16, 32, 64, 128, 256)
+    for nw in (1, 2, 4)
+    if bl * nw <= 512  # a wide lane block needs the warps; a narrow one wastes them
+]
+if _INTERPRET:
+    _QUANT_CONFIGS = [triton.Config({"BLOCK_L": 16}, num_warps=1)]
+
+
+@triton.jit
+def _round_half_even(y):
+    """``torch.round`` on fp32: nearest integer, ties to even."""
+    f = tl.floor(y)
+    d = y - f
+    f_is_odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    up = (d > 0.5) | ((d == 0.5) & f_is_odd)
+    return tl.where(up, f + 1.0, f)
+
+
+@triton.jit
+def _to_stored(x, DTYPE: tl.constexpr):
+    """Round fp32 ``x`` to ``DTYPE`` to nearest-even, as torch's ``.to(dtype)`` does.
+
+    The interpreter truncates fp32 -> bf16, so bf16 is rounded by hand (finite inputs)
+    and the final cast is exact on every backend.
+    """
+    if DTYPE == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + (0x7FFF + ((u >> 16) & 1))) & 0xFFFF0000
+        x = u.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.autotune(
+    configs=_QUANT_CONFIGS,
+    key=["n_lanes", "GROUP", "BITS"],
+    prune_configs_by={"early_config_prune": _keep_quant_config},
+)
+@triton.jit
+def _quantize_pack_kernel(
+    x_ptr,  # input [B, H, T, D] float, any strides
+    codes_ptr,  # out uint8: channel [B,H,T//G,G*bits//8,D] / token [B,H,T,D*bits//8]
+    scale_ptr,  # out scale in the cache dtype: channel [B,H,T//G,D] / token [B,H,T,D//G]
+    zero_ptr,  # out zero, same shape/strides as scale
+    n_heads,  # H, to split program id 0 into (batch, head)
+    n_lanes,  # lanes along the free axis (D for channel, T for token)
+    sx_b, sx_h,  # x strides of batch and head (elements)
+    sx_e,  # x stride between consecutive elements of a group
+    sx_l,  # x stride between consecutive lanes
+    sc_b, sc_h,  # codes strides of batch and head (bytes)
+    sc_n,  # codes stride between consecutive groups
+    sc_y,  # codes stride between consecutive bytes of one group's stream
+    sc_l,  # codes stride between consecutive lanes
+    ss_b, ss_h,  # scale/zero strides of batch and head
+    ss_n,  # scale/zero stride between consecutive groups
+    ss_l,  # scale/zero stride between consecutive lanes
+    BITS: tl.constexpr,  # code width, 1..8
+    GROUP: tl.constexpr,  # G, elements per group
+    CH: tl.constexpr,  # codes per chunk, 8 // gcd(BITS, 8)
+    BLOCK_G: tl.constexpr,  # next_power_of_2(G)
+    BLOCK_W: tl.constexpr,  # next_power_of_2(G // CH), chunks per group
+    BLOCK_L: tl.constexpr,  # lanes per program (autotuned)
+):
+    tl.static_assert(BITS >= 1 and BITS <= 8, "BITS must be 1..8")
+    tl.static_assert((GROUP * BITS) % 8 == 0, "every group must start on a byte boundary")
+    tl.static_assert(GROUP % CH == 0, "a group holds whole chunks")
+    CB: tl.constexpr = CH * BITS // 8  # bytes per chunk
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    pid_l = tl.program_id(2).to(tl.int64)
+    b = pid_bh // n_heads
+    h = pid_bh % n_heads
+
+    lanes = pid_l * BLOCK_L + tl.arange(0, BLOCK_L).to(tl.int64)  # [BLOCK_L]
+    lane_ok = lanes < n_lanes
+    x_base = x_ptr + b * sx_b + h * sx_h + pid_n * GROUP * sx_e
+
+    # Pass 1: the group's min and max per lane, in fp32 like the reference.
+    e = tl.arange(0, BLOCK_G)
+    ok = (e[:, None] < GROUP) & lane_ok[None, :]
+    tile = tl.load(x_base + e[:, None] * sx_e + lanes[None, :] * sx_l, mask=ok, other=0.0)
+    tile = tile.to(tl.float32)
+    lo = tl.min(tl.where(ok, tile, float("inf")), axis=0)  # [BLOCK_L]
+    hi = tl.max(tl.where(ok, tile, float("-inf")), axis=0)
+    lo = tl.where(lane_ok, lo, 0.0)  # padding lanes: keep them finite
+    hi = tl.where(lane_ok, hi, 0.0)
+
+    # Store scale/zero in the cache dtype; compute codes against the stored values.
+    zero_st = _to_stored(lo, zero_ptr.dtype.element_ty)
+    scale_st = tl.div_rn(hi - lo, tl.full(hi.shape, LEVELS, tl.float32))
+    scale_st = _to_stored(scale_st, scale_ptr.dtype.element_ty)
+    s_off = b * ss_b + h * ss_h + pid_n * ss_n + lanes * ss_l
+    tl.store(zero_ptr + s_off, zero_st, mask=lane_ok)
+    tl.store(scale_ptr + s_off, scale_st, mask=lane_ok)
+    z32 = zero_st.to(tl.float32)
+    s32 = scale_st.to(tl.float32)
+    has_range = s32 > 0.0
+    safe = tl.where(has_range, s32, 1.0)
+
+    # Pass 2: chunk w holds elements w*CH .. w*CH+CH-1; assemble each chunk's bits.
+    w = tl.arange(0, BLOCK_W)
+    w_ok = (w[:, None] < GROUP // CH) & lane_ok[None, :]
+    word = tl.zeros([BLOCK_W, BLOCK_L], dtype=tl.int32)
+    for k in tl.static_range(CH):
+        e_k = w * CH + k
+        xv = tl.load(x_base + e_k[:, None] * sx_e + lanes[None, :] * sx_l, mask=w_ok, other=0.0)
+        y = tl.div_rn(xv.to(tl.float32) - z32[None, :], safe[None, :])
+        q = tl.minimum(tl.maximum(_round_half_even(y), 0.0), LEVELS)
+        q = tl.where(has_range[None, :], q, 0.0).to(tl.int32)
+        word = word | (q << (k * BITS))
+
+    c_base = codes_ptr + b * sc_b + h * sc_h + pid_n * sc_n + lanes[None, :] * sc_l
+    for m in tl.static_range(CB):
+        byte = ((word >> (8 * m)) & 0xFF).to(tl.uint8)
+        tl.store(c_base + (w[:, None] * CB + m) * sc_y, byte, mask=w_ok)
+
+
+def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None) -> Packed:
+    """Quantize and pack ``x`` on the GPU (or the Triton interpreter); see the reference.
+
+    Args:
+        x: ``[B, H, T, D]`` float16/bfloat16/float32 (any strides). For
+            ``spec.axis == "channel"`` T must be a multiple of ``spec.group_size``; for
+            ``"token"`` D must be.
+        spec: bits, group size, axis.
+        dtype: dtype of the stored scale/zero (and of the plain tensor at 16 bits);
+            defaults to ``x.dtype``.
+    Returns:
+        :class:`Packed` with contiguous tensors, bit-identical to
+        :func:`kvpolicy.kernels.reference.quantize`:
+        channel: codes uint8 ``[B, H, T//G, G*bits//8, D]``, scale/zero ``[B, H, T//G, D]``;
+        token: codes uint8 ``[B, H, T, D*bits//8]``, scale/zero ``[B, H, T, D//G]``.
+
+    Grid: ``(B * H, n_groups, cdiv(n_lanes, BLOCK_L))`` with ``n_groups = T//G`` and
+    ``n_lanes = D`` for channel, ``n_groups = D//G`` and ``n_lanes = T`` for token.
+    """
+    if x.dim() != 4:
+        raise CacheError(f"quantize input must be [B, H, T, D], got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise CacheError(f"quantize input must be floating point, got {x.dtype}")
+    dtype = x.dtype if dtype is None else dtype
+    if spec.full_precision:
+        empty = x.new_empty(0, dtype=dtype)
+        return Packed(x.to(dtype), empty, empty)
+
+    b, h, t, d = x.shape
+    g, bits = spec.group_size, spec.bits
+    nbytes = g * bits // 8
+    if spec.axis == "channel":
+        if t % g != 0:
+            raise CacheError(
+                f"per-channel quantization needs whole token groups: T={t} is not a "
+                f"multiple of group_size={g}; keep the remainder in the residual window"
+            )
+        n_groups, n_lanes = t // g, d
+        codes = torch.empty((b, h, n_groups, nbytes, d), dtype=torch.uint8, device=x.device)
+        scale = torch.empty((b, h, n_groups, d), dtype=dtype, device=x.device)
+        sx_e, sx_l = x.stride(2), x.stride(3)
+        sc_n, sc_y, sc_l = codes.stride(2), codes.stride(3), codes.stride(4)
+        ss_n, ss_l = scale.stride(2), scale.stride(3)
+    else:
+        if d % g != 0:
+            raise CacheError(
+                f"per-token quantization needs whole channel groups: head_dim={d} is not a "
+                f"multiple of group_size={g}; use a group_size that divides {d}"
+            )
+        n_groups, n_lanes = d // g, t
+        codes = torch.empty((b, h, t, d * bits // 8), dtype=torch.uint8, device=x.device)
+        scale = torch.empty((b, h, t, d // g), dtype=dtype, device=x.device)
+        sx_e, sx_l = x.stride(3), x.stride(2)
+        sc_n, sc_y, sc_l = nbytes * codes.stride(3), codes.stride(3), codes.stride(2)
+        ss_n, ss_l = scale.stride(3), scale.stride(2)
+    zero = torch.empty_like(scale)
+    if codes.numel() == 0:
+        return Packed(codes, scale, zero)
+
+    ch = 8 // math.gcd(bits, 8)
+
+    def grid(meta):
+        return (b * h, n_groups, triton.cdiv(n_lanes, meta["BLOCK_L"]))
+
+    _quantize_pack_kernel[grid](
+        x, codes, scale, zero,
+        h, n_lanes,
+        x.stride(0), x.stride(1), sx_e, sx_l,
+        codes.stride(0), codes.stride(1), sc_n, sc_y, sc_l,
+        scale.stride(0), scale.stride(1), ss_n, ss_l,
+        BITS=bits,
+        GROUP=g,
+        CH=ch,
+        BLOCK_G=triton.next_power_of_2(g),
+        BLOCK_W=triton.next_power_of_2(g // ch),
+    )
+    return Packed(codes, scale, zero)

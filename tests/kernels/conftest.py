@@ -1,0 +1,33 @@
+"""Run the Triton kernel tests in interpreter mode on machines without a GPU.
+
+Why here and why this way: ``triton.jit`` decides between a compiled and an interpreted
+kernel when the kernel module is *imported* (it reads ``TRITON_INTERPRET`` through
+``triton.knobs`` at decoration time), so the variable must be set before the test
+modules import ``kvpolicy.kernels.triton_*``. pytest imports this conftest before it
+collects any test module of this folder, and nothing in the package imports the Triton
+modules at import time (the torch backend and the cache import them lazily), so setting
+it here reaches exactly the Triton tests. It is an environment variable of the test
+process, read only by Triton; nothing else in the suite launches Triton kernels, and no
+Triton module is configured or imported here. On a machine with CUDA it is left unset
+(the same tests then run compiled kernels on the GPU); an explicit value is respected.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+for _name in ("kvpolicy.kernels.triton_quant", "kvpolicy.kernels.triton_attention"):
+    _mod = sys.modules.get(_name)
+    if _mod is not None and not _mod._INTERPRET and not torch.cuda.is_available():
+        # Imported earlier in this process without the interpreter: its kernels were
+        # decorated as compiled GPU kernels and cannot run on CPU tensors.
+        raise RuntimeError(
+            f"{_name} was imported before tests/kernels/conftest.py set TRITON_INTERPRET=1; "
+            "run the Triton tests on their own (pytest -m triton) or set TRITON_INTERPRET=1"
+        )
