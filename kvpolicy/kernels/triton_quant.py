@@ -74,17 +74,15 @@ def _round_half_even(y):
 
 
 @triton.jit
-def _to_stored(x, DTYPE: tl.constexpr):
-    """Round fp32 ``x`` to ``DTYPE`` to nearest-even, as torch's ``.to(dtype)`` does.
+def _round_to_bf16(x):
+    """fp32 ``x`` rounded to the nearest bf16 value (ties to even), kept in fp32.
 
-    The interpreter truncates fp32 -> bf16, so bf16 is rounded by hand (finite inputs)
-    and the final cast is exact on every backend.
+    torch rounds fp32 -> bf16 to nearest-even; the interpreter's cast truncates. Rounding
+    by hand (finite inputs) makes the final cast exact on every backend.
     """
-    if DTYPE == tl.bfloat16:
-        u = x.to(tl.uint32, bitcast=True)
-        u = (u + (0x7FFF + ((u >> 16) & 1))) & 0xFFFF0000
-        x = u.to(tl.float32, bitcast=True)
-    return x.to(DTYPE)
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + (0x7FFF + ((u >> 16) & 1))) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
 
 
 @triton.autotune(
@@ -115,6 +113,7 @@ def _quantize_pack_kernel(
     CH: tl.constexpr,  # codes per chunk, 8 // gcd(BITS, 8)
     BLOCK_G: tl.constexpr,  # next_power_of_2(G)
     BLOCK_W: tl.constexpr,  # next_power_of_2(G // CH), chunks per group
+    STORE_BF16: tl.constexpr,  # scale/zero are bfloat16 (round to nearest-even by hand)
     BLOCK_L: tl.constexpr,  # lanes per program (autotuned)
 ):
     tl.static_assert(BITS >= 1 and BITS <= 8, "BITS must be 1..8")
@@ -144,9 +143,13 @@ def _quantize_pack_kernel(
     hi = tl.where(lane_ok, hi, 0.0)
 
     # Store scale/zero in the cache dtype; compute codes against the stored values.
-    zero_st = _to_stored(lo, zero_ptr.dtype.element_ty)
     scale_st = tl.div_rn(hi - lo, tl.full(hi.shape, LEVELS, tl.float32))
-    scale_st = _to_stored(scale_st, scale_ptr.dtype.element_ty)
+    zero_st = lo
+    if STORE_BF16:
+        zero_st = _round_to_bf16(zero_st)
+        scale_st = _round_to_bf16(scale_st)
+    zero_st = zero_st.to(zero_ptr.dtype.element_ty)
+    scale_st = scale_st.to(scale_ptr.dtype.element_ty)
     s_off = b * ss_b + h * ss_h + pid_n * ss_n + lanes * ss_l
     tl.store(zero_ptr + s_off, zero_st, mask=lane_ok)
     tl.store(scale_ptr + s_off, scale_st, mask=lane_ok)
@@ -248,5 +251,6 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
         CH=ch,
         BLOCK_G=triton.next_power_of_2(g),
         BLOCK_W=triton.next_power_of_2(g // ch),
+        STORE_BF16=dtype == torch.bfloat16,
     )
     return Packed(codes, scale, zero)
