@@ -676,21 +676,30 @@ def _parse_yaml(text: str, source: str) -> Any:
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        problem = exc.problem or exc.context or "invalid YAML"
-        if mark is None:
-            raise PolicyError(f"{source}: cannot parse YAML: {problem}") from None
-        lines = text.splitlines()
-        shown = lines[mark.line].strip() if mark.line < len(lines) else ""
-        raise PolicyError(
-            f"{source}: cannot parse YAML at line {mark.line + 1}, column {mark.column + 1}: "
-            f"{problem}: {shown!r}"
-        ) from None
+        raise PolicyError(f"{source}: cannot parse YAML {_yaml_problem(exc, text)}") from None
     except yaml.YAMLError as exc:
         raise PolicyError(f"{source}: cannot parse YAML: {exc}") from None
     if data is None:  # only comments
         raise PolicyError(f"{source}: empty policy file (nothing but comments)")
     return data
+
+
+def _yaml_problem(exc: yaml.MarkedYAMLError, text: str) -> str:
+    """Where the parser stopped and why, quoting the line (and the line of the construct it
+    was reading, e.g. an unclosed bracket, when that is elsewhere)."""
+    lines = text.splitlines()
+
+    def quote(mark: Any) -> str:
+        shown = lines[mark.line].strip() if mark.line < len(lines) else ""
+        return f"line {mark.line + 1}, column {mark.column + 1}" + (f": {shown!r}" if shown else "")
+
+    mark = exc.problem_mark or exc.context_mark
+    if mark is None:
+        return f": {exc.problem or exc.context or exc}"
+    message = f"at {quote(mark)}: {exc.problem or exc.context}"
+    if exc.context and exc.context_mark is not None and exc.context_mark.line != mark.line:
+        message += f" ({exc.context} started at {quote(exc.context_mark)})"
+    return message
 
 
 def _read_file(path: Path) -> str:
@@ -839,6 +848,8 @@ def _translate(exc: ValidationError, source: str, where_of, root: type[BaseModel
             message = "required field is missing"
         elif kind == "kvpolicy":
             message = err["msg"]
+        elif kind in ("model_type", "dict_type"):
+            message = f"expected a mapping of fields (got {_show(err['input'])})"
         else:
             message = (
                 err["msg"].replace("a valid tuple", "a list") + f" (got {_show(err['input'])})"
@@ -1012,7 +1023,10 @@ def build_policy(
                 )
             except ValidationError as exc:
                 raise _blame(
-                    exc, spec.source, [origins], f"layer {lf.layer} {kind.value}"
+                    exc,
+                    spec.source,
+                    [_blamable(origins, values, derived_axis, has_rope)],
+                    f"layer {lf.layer} {kind.value}",
                 ) from None
             tensors.append(tp)
             all_origins.append(origins)
@@ -1023,6 +1037,19 @@ def build_policy(
         index = layer_ids.index(layer) if layer in layer_ids else 0
         pair = all_origins[2 * index : 2 * index + 2]
         raise _blame(exc, spec.source, pair) from None
+
+
+def _blamable(
+    origins: Mapping[str, int], values: Mapping[str, Any], derived_axis: Axis, has_rope: bool
+) -> dict[str, int]:
+    """Origins for blame: a rule that merely restates the derived axis or RoPE ordering
+    (as the kivi presets do) is not the cause of a conflict; the analysis is."""
+    out = dict(origins)
+    if values["axis"] is derived_axis:
+        out["axis"] = _ANALYSIS
+    if values["pre_rope"] == has_rope:
+        out["pre_rope"] = _ANALYSIS
+    return out
 
 
 def _blame(
