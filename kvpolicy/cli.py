@@ -1,0 +1,121 @@
+"""Command line: ``kvpolicy inspect --model smollm2-135m [--bits 2] [--policy FILE]``.
+
+Heavy imports (torch, transformers, the analysis) happen inside the commands so that
+``kvpolicy --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import KVPolicyError, ZooError
+
+__all__ = ["main", "build_parser", "load_model"]
+
+# Same set as kvpolicy.policy.SUPPORTED_BITS, repeated so that parsing needs no pydantic.
+_BITS = (1, 2, 3, 4, 8, 16)
+_TINY_PREFIX = "tiny-"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpolicy",
+        description="Derive, inspect and apply KV-cache compression policies.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="print the policy derived for a model",
+        description="Trace a model's attention, derive its KV-cache policy and print it.",
+    )
+    inspect.add_argument(
+        "--model",
+        required=True,
+        metavar="NAME_OR_PATH",
+        help='a zoo name ("smollm2-135m"), a tiny test architecture ("tiny-llama") or a path',
+    )
+    inspect.add_argument(
+        "--bits",
+        type=int,
+        default=2,
+        choices=_BITS,
+        help="code bits when no --policy is given: the kvpolicy-BITS defaults (default 2)",
+    )
+    inspect.add_argument(
+        "--policy",
+        metavar="FILE_OR_PRESET",
+        help="a YAML policy file or a preset name (see `kvpolicy presets`)",
+    )
+    inspect.add_argument(
+        "--format",
+        choices=("table", "yaml", "json"),
+        default="table",
+        help="output format (default: table)",
+    )
+    inspect.set_defaults(run=_cmd_inspect)
+
+    presets = commands.add_parser("presets", help="list the shipped policy presets")
+    presets.set_defaults(run=_cmd_presets)
+    return parser
+
+
+def load_model(name: str) -> Any:
+    """The model for ``--model``: ``tiny-<arch>`` from ``kvpolicy.testing``, else the zoo."""
+    if name.startswith(_TINY_PREFIX):
+        testing = importlib.import_module("kvpolicy.testing")
+        try:
+            built = testing.tiny_model(name[len(_TINY_PREFIX) :])
+        except KeyError as exc:  # unknown architecture: a user error, not a crash
+            raise ZooError(f"--model {name}: {exc.args[0] if exc.args else exc}") from None
+    else:
+        zoo = importlib.import_module("kvpolicy.zoo")
+        built = zoo.load(name)
+    # zoo.load returns (model, tokenizer); accept a bare model as well.
+    return built[0] if isinstance(built, tuple) else built
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    # import_module (not `from . import api`) so that tests can stand in a module via
+    # sys.modules and so that nothing heavy loads before a command runs.
+    api = importlib.import_module("kvpolicy.api")
+    model = load_model(args.model)
+    policy = api.derive_policy(model, bits=args.bits, policy=args.policy)
+    if args.format == "yaml":
+        text = policy.to_yaml()
+    elif args.format == "json":
+        text = policy.to_json()
+    else:
+        text = str(policy)
+    print(text.rstrip("\n"))
+    return 0
+
+
+def _cmd_presets(args: argparse.Namespace) -> int:
+    from .policy import list_presets
+
+    for name in list_presets():
+        print(name)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (2 on a usage or kvpolicy error)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2): argparse printed why
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return args.run(args)
+    except KVPolicyError as exc:
+        print(f"kvpolicy: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

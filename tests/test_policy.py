@@ -1,0 +1,630 @@
+"""Policy schema, spec loading, derivation from synthetic facts, and every error path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvpolicy.errors import PolicyError
+from kvpolicy.facts import Contracted, LayerFacts, RopeFacts, RopeStyle, TensorFacts
+from kvpolicy.policy import (
+    SUPPORTED_BITS,
+    Axis,
+    Defaults,
+    ModelPolicy,
+    PolicySpec,
+    TensorKind,
+    TensorPolicy,
+    build_policy,
+    list_presets,
+    load_spec,
+)
+
+# --------------------------------------------------------------------------- factories
+
+
+def rope_facts(
+    head_dim: int = 64, rotary_dim: int | None = None, style: RopeStyle = RopeStyle.ROTATE_HALF
+) -> RopeFacts:
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    return RopeFacts(
+        style=style,
+        rotary_dim=rotary_dim,
+        head_dim=head_dim,
+        cos_source="position_embeddings[0]",
+        sin_source="position_embeddings[1]",
+        pre_rope_node="k_proj_view",
+        description=f"{style.value} RoPE on channels 0-{rotary_dim - 1} of {head_dim}",
+    )
+
+
+def key_facts(
+    head_dim: int = 64,
+    rope: RopeFacts | None | str = "default",
+    contracted: Contracted = Contracted.CHANNEL,
+) -> TensorFacts:
+    if rope == "default":
+        rope = rope_facts(head_dim)
+    return TensorFacts(
+        tensor="key",
+        contracted=contracted,
+        head_dim=head_dim,
+        num_kv_heads=3,
+        contraction=f"q·kᵀ over head_dim={head_dim} (scaled_dot_product_attention)",
+        source_node="k_proj_view",
+        consumer_node="scaled_dot_product_attention",
+        rope=rope,
+    )
+
+
+def value_facts(head_dim: int = 64, contracted: Contracted = Contracted.TOKEN) -> TensorFacts:
+    return TensorFacts(
+        tensor="value",
+        contracted=contracted,
+        head_dim=head_dim,
+        num_kv_heads=3,
+        contraction="softmax·V over tokens (scaled_dot_product_attention)",
+        source_node="v_proj_view",
+        consumer_node="scaled_dot_product_attention",
+    )
+
+
+def layer_facts(layer: int, head_dim: int = 64, rope: Any = "default", **kw: Any) -> LayerFacts:
+    return LayerFacts(
+        layer=layer,
+        block_kind="LlamaAttention[hd=64]",
+        key=kw.get("key") or key_facts(head_dim, rope),
+        value=kw.get("value") or value_facts(head_dim),
+    )
+
+
+def model_facts(n: int = 4, **kw: Any) -> list[LayerFacts]:
+    return [layer_facts(i, **kw) for i in range(n)]
+
+
+def build(policy: Any = None, bits: int = 2, facts: list[LayerFacts] | None = None) -> ModelPolicy:
+    return build_policy(facts or model_facts(), load_spec(policy, bits=bits), "tiny")
+
+
+def write(tmp_path: Path, text: str, name: str = "policy.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def raises(policy: Any, *fragments: str, facts: list[LayerFacts] | None = None) -> str:
+    """Build with ``policy``; assert a PolicyError whose message holds every fragment."""
+    with pytest.raises(PolicyError) as info:
+        build(policy, facts=facts)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+# --------------------------------------------------------------------------- derivation
+
+
+def test_derived_axes_rope_and_reasons():
+    policy = build()
+    assert policy.num_layers == 4 and policy.layers == (0, 1, 2, 3)
+    assert [t.tensor for t in policy.tensors[:2]] == [TensorKind.KEY, TensorKind.VALUE]
+    key, value = policy.get(2, "key"), policy.get(2, TensorKind.VALUE)
+    assert (key.layer, key.axis, key.pre_rope, key.derived_pre_rope) == (
+        2,
+        Axis.CHANNEL,
+        True,
+        True,
+    )
+    assert (value.axis, value.pre_rope, value.derived_pre_rope) == (Axis.TOKEN, False, False)
+    for t in (key, value):
+        assert (t.bits, t.group_size, t.residual, t.sinks) == (2, 32, 128, 4)
+        assert not t.overridden and t.derived_axis is t.axis and t.head_dim == 64
+    assert (key.rope, key.rope_style, key.rotary_dim) == ("rotate_half 64/64", "rotate_half", 64)
+    assert value.rope is None and value.rotary_dim is None
+    assert key.contraction.startswith("q·kᵀ over head_dim=64")
+    assert "q·kᵀ sums over channels" in key.reason
+    assert "each channel gets its own scale (groups of 32 tokens)" in key.reason
+    assert "quantized before rotate_half RoPE, which smears outlier channels" in key.reason
+    assert "softmax·V sums over tokens" in value.reason
+    assert "each token gets its own scale (groups of 32 channels)" in value.reason
+    assert policy.model == "tiny" and policy.source == "kvpolicy-2" and policy.version == 1
+
+
+def test_no_rope_means_nothing_to_move():
+    key = build(facts=model_facts(rope=None)).get(0, "key")
+    assert not key.pre_rope and not key.derived_pre_rope and key.rope is None
+    assert not key.overridden
+    assert "no RoPE on the key path" in key.reason and "nothing to move" in key.reason
+
+
+def test_partial_and_interleaved_rope_are_described():
+    rope = rope_facts(64, rotary_dim=16, style=RopeStyle.INTERLEAVED)
+    key = build(facts=model_facts(rope=rope)).get(0, "key")
+    assert key.rope == "interleaved 16/64" and key.rotary_dim == 16
+    assert "interleaved RoPE on 16 of 64 channels" in key.reason
+
+
+def test_axis_follows_the_facts_not_the_tensor_name():
+    # A key that the analysis found contracted over tokens gets per-token scales.
+    odd = [layer_facts(0, key=key_facts(contracted=Contracted.TOKEN))]
+    key = build(facts=odd).get(0, "key")
+    assert key.axis is Axis.TOKEN and key.derived_axis is Axis.TOKEN and not key.overridden
+    assert "q·kᵀ sums over tokens" in key.reason
+
+
+def test_overrides_apply_in_order_and_mark_what_they_change():
+    spec = {
+        "defaults": {"bits": 2},
+        "overrides": [
+            {"layers": "0-1", "tensor": "key", "bits": 4},
+            {"layers": [1, 3], "tensor": "*", "bits": 8},
+            {"layers": 2, "tensor": "value", "bits": 2},  # same as the defaults: no override
+            {"layers": "*", "tensor": "value", "axis": "channel"},
+        ],
+    }
+    policy = build(spec)
+    bits = [(t.layer, t.tensor.value, t.bits) for t in policy.tensors]
+    assert bits == [
+        (0, "key", 4), (0, "value", 2), (1, "key", 8), (1, "value", 8),
+        (2, "key", 2), (2, "value", 2), (3, "key", 8), (3, "value", 8),
+    ]  # fmt: skip
+    assert policy.get(0, "key").overridden and not policy.get(2, "key").overridden
+    assert "rule 1 sets bits 4 (defaults: 2)" in policy.get(0, "key").reason
+    assert "rule 2 sets bits 8 (defaults: 2)" in policy.get(1, "key").reason
+    value = policy.get(2, "value")
+    assert value.axis is Axis.CHANNEL and value.derived_axis is Axis.TOKEN and value.overridden
+    assert "per-token scales were derived" in value.reason
+    assert "rule 4 sets axis channel" in value.reason
+
+
+def test_override_equal_to_derived_is_not_an_override():
+    policy = build({"overrides": [{"layers": "*", "tensor": "key", "axis": "channel"}]})
+    assert not any(t.overridden for t in policy.tensors)
+
+
+def test_defaults_axis_counts_as_override_where_it_differs():
+    policy = build({"defaults": {"axis": "channel"}})
+    assert not policy.get(0, "key").overridden
+    value = policy.get(0, "value")
+    assert value.overridden and value.axis is Axis.CHANNEL
+    assert "the defaults set axis channel" in value.reason
+
+
+def test_post_rope_keys_are_an_override_with_the_derived_reason():
+    policy = build({"defaults": {"pre_rope": False}})
+    key = policy.get(0, "key")
+    assert not key.pre_rope and key.derived_pre_rope and key.overridden
+    assert "quantized after rotate_half RoPE" in key.reason
+    assert "pre-RoPE was derived" in key.reason
+    # Without RoPE, pre_rope false is what was derived anyway.
+    assert (
+        not build({"defaults": {"pre_rope": False}}, facts=model_facts(rope=None))
+        .get(0, "key")
+        .overridden
+    )
+
+
+def test_defaults_pre_rope_means_where_rope_exists():
+    facts = [layer_facts(0, rope=None), layer_facts(1)]
+    policy = build({"defaults": {"pre_rope": True}}, facts=facts)
+    assert not policy.get(0, "key").pre_rope and policy.get(1, "key").pre_rope
+
+
+def test_full_precision_and_avg_bits():
+    policy = build({"overrides": [{"layers": 0, "tensor": "*", "bits": 16}]})
+    key = policy.get(0, "key")
+    assert key.full_precision and key.overridden and "kept in full precision" in key.reason
+    assert policy.avg_bits == pytest.approx((16 * 2 + 2 * 6) / 8)
+
+
+def test_avg_bits_weights_by_head_dim():
+    facts = [layer_facts(0, key=key_facts(128), value=value_facts(64))]
+    policy = build({"overrides": [{"layers": 0, "tensor": "key", "bits": 4}]}, facts=facts)
+    assert policy.avg_bits == pytest.approx((4 * 128 + 2 * 64) / 192)
+
+
+def test_non_contiguous_layers_for_hybrid_models():
+    facts = [layer_facts(3), layer_facts(7)]
+    policy = build({"overrides": [{"layers": "0-5", "tensor": "key", "bits": 4}]}, facts=facts)
+    assert policy.layers == (3, 7)
+    assert policy.get(3, "key").bits == 4 and policy.get(7, "key").bits == 2
+    with pytest.raises(KeyError, match="layer 5 is not in this policy"):
+        policy.get(5, "key")
+    raises(
+        {"overrides": [{"layers": 5, "tensor": "key", "bits": 4}]},
+        "rule 1, field 'layers'",
+        "layer 5 is out of range",
+        "2 attention layers (3, 7)",
+        facts=facts,
+    )
+
+
+def test_pre_rope_false_on_values_and_layers_without_rope_is_fine():
+    facts = [layer_facts(0, rope=None)]
+    spec = {"overrides": [{"layers": "*", "tensor": "*", "pre_rope": False}]}
+    assert not any(t.overridden for t in build(spec, facts=facts).tensors)
+
+
+def test_supported_bits_match_the_packed_layout():
+    from kvpolicy.kernels.layout import SUPPORTED_BITS as LAYOUT_BITS
+
+    assert SUPPORTED_BITS == LAYOUT_BITS
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+def test_yaml_and_json_round_trip(tmp_path):
+    policy = build(
+        {
+            "overrides": [
+                {"layers": "0-1", "tensor": "key", "bits": 4},
+                {"layers": 3, "tensor": "*", "bits": 16, "residual": 64},
+            ]
+        },
+        facts=[layer_facts(0), layer_facts(1, rope=None), layer_facts(2), layer_facts(3)],
+    )
+    assert ModelPolicy.from_yaml(policy.to_yaml()) == policy
+    assert ModelPolicy.from_json(policy.to_json()) == policy
+    assert ModelPolicy.from_json(policy.to_json(indent=None)) == policy
+    assert ModelPolicy.from_yaml(write(tmp_path, policy.to_yaml())) == policy
+    assert ModelPolicy.from_json(str(write(tmp_path, policy.to_json(), "p.json"))) == policy
+    data = yaml.safe_load(policy.to_yaml())
+    assert data["version"] == 1 and data["tensors"][0]["axis"] == "channel"
+
+
+def test_policy_is_frozen():
+    policy = build()
+    with pytest.raises(Exception, match="frozen"):
+        policy.tensors[0].bits = 4  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------- table
+
+
+def test_table_groups_identical_layers_and_shows_values():
+    table = str(build())
+    lines = table.splitlines()
+    assert "kvpolicy: tiny, policy kvpolicy-2: 4 attention layers" in lines[0]
+    assert "2.00 code bits per element" in lines[0]
+    header = lines[1].split()
+    for column in ("layers", "tensor", "axis", "bits", "G", "pre-RoPE", "R", "sinks"):
+        assert column in header
+    rows = [line.split() for line in lines[3:]]
+    assert len(rows) == 2  # layers 0-3 are identical: one key row, one value row
+    assert rows[0][:9] == ["0-3", "key", "channel", "2", "32", "yes", "128", "4", "-"]
+    assert rows[1][:9] == ["0-3", "value", "token", "2", "32", "-", "128", "4", "-"]
+    assert "q·kᵀ sums over channels" in lines[3]
+
+
+def test_table_splits_where_a_layer_differs():
+    policy = build({"overrides": [{"layers": 1, "tensor": "key", "bits": 4}]})
+    rows = [line.split()[:9] for line in str(policy).splitlines()[3:]]
+    assert [r[0] for r in rows] == ["0", "0", "1", "1", "2-3", "2-3"]
+    assert rows[2][:4] == ["1", "key", "channel", "4"] and rows[2][8] == "yes"
+
+
+# --------------------------------------------------------------------------- presets
+
+
+def test_presets_ship_and_differ_where_they_should():
+    assert {"kvpolicy-2", "kvpolicy-4", "kivi-2", "kivi-4"} <= set(list_presets())
+    kv2, kv4 = load_spec("kvpolicy-2"), load_spec("kvpolicy-4")
+    kivi2, kivi4 = load_spec("kivi-2"), load_spec("kivi-4")
+    assert kv2.defaults == Defaults(bits=2, group_size=32, residual=128, sinks=4, pre_rope=True)
+    assert kv4.defaults == kv2.defaults.model_copy(update={"bits": 4})
+    assert kivi2.defaults == Defaults(bits=2, group_size=32, residual=128, sinks=0, pre_rope=False)
+    assert kivi4.defaults.bits == 4 and kivi4.overrides == kivi2.overrides
+    assert kivi2.source == "kivi-2"
+
+
+def test_bits_without_policy_means_kvpolicy_defaults():
+    assert load_spec(None, bits=2) == load_spec("kvpolicy-2")
+    assert load_spec(None, bits=4).defaults == load_spec("kvpolicy-4").defaults
+    three = load_spec(None, bits=3)
+    assert three.source == "kvpolicy-3" and three.defaults.bits == 3
+    assert three.defaults.model_copy(update={"bits": 2}) == load_spec("kvpolicy-2").defaults
+    assert build(None, bits=16).avg_bits == 16
+
+
+def test_kivi_preset_keeps_keys_post_rope_and_no_sinks():
+    policy = build("kivi-2")
+    key, value = policy.get(0, "key"), policy.get(0, "value")
+    assert (key.axis, key.pre_rope, key.sinks, key.residual) == (Axis.CHANNEL, False, 0, 128)
+    assert key.overridden and "pre-RoPE was derived" in key.reason
+    assert value.axis is Axis.TOKEN and not value.overridden
+    assert build("kivi-4").get(0, "value").bits == 4
+
+
+def test_file_dict_and_spec_inputs(tmp_path):
+    text = """
+defaults: {bits: 2, group_size: 32, residual: 128, sinks: 4}
+overrides:
+  - {layers: "0-3", tensor: key, bits: 4}
+  - {layers: "*", tensor: value, axis: channel}
+"""
+    path = write(tmp_path, text)
+    from_file = load_spec(path)
+    from_str = load_spec(str(path))
+    from_dict = load_spec(yaml.safe_load(text))
+    assert from_file.source == str(path) and from_dict.source == "<dict>"
+    assert from_file.overrides == from_str.overrides == from_dict.overrides
+    assert load_spec(from_file) is from_file
+    assert build(from_file).get(3, "key").bits == 4
+
+
+def test_missing_defaults_fields_come_from_kvpolicy_bits():
+    spec = load_spec({"defaults": {"sinks": 0}}, bits=4)
+    assert (spec.defaults.bits, spec.defaults.sinks, spec.defaults.group_size) == (4, 0, 32)
+
+
+# --------------------------------------------------------------------------- errors: files
+
+
+def test_error_empty_file(tmp_path):
+    path = write(tmp_path, "")
+    raises(path, str(path), "empty policy file")
+    raises(write(tmp_path, "# only a comment\n", "c.yaml"), "c.yaml", "empty policy file")
+
+
+def test_error_unparsable_yaml_names_line(tmp_path):
+    path = write(tmp_path, "defaults:\n  bits: 2\noverrides: [\n  {layers: 1, tensor: key\n")
+    message = raises(path, str(path), "cannot parse YAML at line")
+    assert "line 4" in message or "line 5" in message
+
+
+def test_error_unparsable_yaml_quotes_offending_line(tmp_path):
+    path = write(tmp_path, "defaults: {bits: 2}\noverrides:\n  - {layers: '*', tensor: *}\n")
+    raises(path, str(path), "line 3", "tensor: *")
+
+
+def test_error_duplicate_key(tmp_path):
+    path = write(tmp_path, "defaults:\n  bits: 2\n  bits: 4\n")
+    raises(path, str(path), "duplicate key 'bits'", "line 2")
+
+
+def test_error_top_level_not_mapping(tmp_path):
+    raises(write(tmp_path, "- bits: 2\n"), "policy.yaml", "top level must be a mapping", "list")
+
+
+def test_error_unknown_top_level_key(tmp_path):
+    path = write(tmp_path, "overides: []\n")
+    raises(path, str(path), "top level, field 'overides'", "did you mean 'overrides'")
+
+
+def test_error_full_model_policy_given_as_spec(tmp_path):
+    path = write(tmp_path, build().to_yaml())
+    raises(path, "field 'model'", "unknown key")
+
+
+def test_error_file_not_found_lists_presets(tmp_path):
+    raises(str(tmp_path / "nope.yaml"), "nope.yaml", "not found", "kivi-2", "kvpolicy-4")
+    raises("kivi2", "did you mean the preset 'kivi-2'")
+
+
+def test_error_empty_dict_and_wrong_policy_type():
+    raises({}, "<dict>", "empty policy")
+    with pytest.raises(PolicyError, match="policy must be a preset name"):
+        load_spec(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bits", [0, 5, 32, True, "2"])
+def test_error_bits_argument(bits):
+    with pytest.raises(PolicyError, match="is not supported; use one of 1, 2, 3, 4, 8, 16"):
+        load_spec(None, bits=bits)
+
+
+# --------------------------------------------------------------------------- errors: fields
+
+
+@pytest.mark.parametrize(
+    "spec, fragments",
+    [
+        ({"defaults": {"bitz": 2}}, ["<dict>, defaults, field 'bitz'", "did you mean 'bits'"]),
+        (
+            {
+                "overrides": [
+                    {"layers": 0, "tensor": "key", "bits": 4},
+                    {"layers": 0, "groupsize": 8},
+                ]
+            },
+            ["rule 2, field 'groupsize'", "unknown field", "did you mean 'group_size'"],
+        ),
+        ({"defaults": {"bits": 5}}, ["defaults, field 'bits'", "5 bits is not supported"]),
+        (
+            {"overrides": [{"layers": 0, "tensor": "key", "bits": 6}]},
+            ["rule 1, field 'bits'", "use one of 1, 2, 3, 4, 8, 16"],
+        ),
+        (
+            {"overrides": [{"layers": 0, "tensor": "key", "bits": "4"}]},
+            ["rule 1, field 'bits'", "valid integer", "'4'"],
+        ),
+        ({"defaults": {"pre_rope": "maybe"}}, ["defaults, field 'pre_rope'", "valid boolean"]),
+        ({"defaults": {"residual": -1}}, ["defaults, field 'residual'", "greater than or equal"]),
+        ({"defaults": {"group_size": 0}}, ["defaults, field 'group_size'", "greater than 0"]),
+        ({"defaults": {"axis": "chanel"}}, ["defaults, field 'axis'", "'channel' or 'token'"]),
+        ({"defaults": [1, 2]}, ["<dict>, defaults: expected a mapping"]),
+        ({"overrides": {"layers": 0}}, ["field 'overrides'", "a list"]),
+        ({"overrides": None}, ["field 'overrides'", "a list"]),
+        ({"overrides": ["bits: 4"]}, ["rule 1", "expected a mapping of fields"]),
+        ({"version": 2, "defaults": {}}, ["top level, field 'version'", "Input should be 1"]),
+        (
+            {"overrides": [{"layers": 0, "tensor": "keys", "bits": 4}]},
+            ["rule 1, field 'tensor'", "'key', 'value' or '*'", "'keys'"],
+        ),
+        ({"overrides": [{"tensor": "key", "bits": 4}]}, ["rule 1, field 'layers'", "missing"]),
+        ({"overrides": [{"layers": 0, "bits": 4}]}, ["rule 1, field 'tensor'", "missing"]),
+        (
+            {"overrides": [{"layers": 0, "tensor": "key"}]},
+            ["rule 1, field 'layers'", "sets nothing"],
+        ),
+        (
+            {"defaults": {"bits": 3, "group_size": 12}},
+            ["defaults, field 'group_size'", "byte boundary", "use 8 or 16"],
+        ),
+        (
+            {"overrides": [{"layers": 0, "tensor": "key", "bits": 1, "group_size": 4}]},
+            ["rule 1, field 'group_size'", "multiple of 8", "use 8"],
+        ),
+    ],
+)
+def test_error_spec_fields(spec, fragments):
+    raises(spec, *fragments)
+
+
+@pytest.mark.parametrize(
+    "layers, fragment",
+    [
+        ("0..3", "cannot read '0..3'"),
+        ("3-1", "runs backwards"),
+        (-1, "negative"),
+        (True, "got True"),
+        ([], "the list is empty"),
+        (["*"], "'*' cannot be inside a list"),
+        ([0, 1.5], "list item 1.5"),
+        (2.0, "got a float"),
+    ],
+)
+def test_error_layer_selector_syntax(layers, fragment):
+    spec = {"overrides": [{"layers": 0, "tensor": "key", "bits": 4}]}
+    spec["overrides"].append({"layers": layers, "tensor": "key", "bits": 4})
+    raises(spec, "rule 2, field 'layers'", fragment, 'a range "a-b" or "*"')
+
+
+@pytest.mark.parametrize(
+    "layers, fragment",
+    [(4, "layer 4 is out of range"), ("2-9", "'2-9' reaches layer 9"), ([0, 7], "layer 7")],
+)
+def test_error_layers_out_of_range(layers, fragment):
+    spec = {"overrides": [{"layers": layers, "tensor": "*", "bits": 4}]}
+    raises(spec, "<dict>, rule 1, field 'layers'", fragment, "the model has 4 layers (0-3)")
+
+
+def test_error_group_size_does_not_divide_head_dim():
+    facts = model_facts(2, head_dim=48)
+    raises(
+        {"defaults": {"group_size": 32}},
+        "<dict>, defaults, field 'group_size'",
+        "32 does not divide head_dim=48",
+        "use 16 or 48",
+        "(layer 0 value)",
+        facts=facts,
+    )
+    # A rule that makes keys per-token is blamed, not the defaults that were fine before.
+    raises(
+        {
+            "defaults": {"group_size": 64},
+            "overrides": [{"layers": 1, "tensor": "key", "axis": "token"}],
+        },
+        "rule 1, field 'axis'",
+        "64 does not divide head_dim=48",
+        "use 48",
+        "(layer 1 key)",
+        facts=[layer_facts(i, key=key_facts(48), value=value_facts(64)) for i in (0, 1)],
+    )
+    # Per-channel keys group tokens: any head_dim is fine for them.
+    assert build({"defaults": {"group_size": 64}}, facts=model_facts(1, head_dim=64)).get(0, "key")
+
+
+def test_error_group_size_set_by_rule_is_blamed_on_the_rule():
+    spec = {
+        "overrides": [
+            {"layers": "*", "tensor": "value", "bits": 4},
+            {"layers": 1, "tensor": "value", "group_size": 48},
+        ]
+    }
+    raises(spec, "rule 2, field 'group_size'", "48 does not divide head_dim=64", "use 32 or 64")
+
+
+@pytest.mark.parametrize("field", ["residual", "sinks"])
+def test_error_key_and_value_must_share_segmentation(field):
+    spec = {"overrides": [{"layers": 2, "tensor": "key", field: 64}]}
+    raises(
+        spec,
+        f"<dict>, rule 1, field '{field}'",
+        f"layer 2: key has {field} 64",
+        "must share residual and sinks",
+        "one segmentation",
+        "tensor: '*'",
+    )
+    same = {"overrides": [{"layers": 2, "tensor": "*", field: 64}]}
+    assert getattr(build(same).get(2, "value"), field) == 64
+
+
+def test_error_pre_rope_on_a_layer_without_rope():
+    facts = [layer_facts(0, rope=None), layer_facts(1)]
+    raises(
+        {"overrides": [{"layers": "*", "tensor": "key", "pre_rope": True}]},
+        "rule 1, field 'pre_rope'",
+        "no RoPE",
+        "(layer 0 key)",
+        facts=facts,
+    )
+    raises(
+        {"overrides": [{"layers": 1, "tensor": "*", "pre_rope": True}]},
+        "rule 1, field 'pre_rope'",
+        "values are never rotated",
+        "(layer 1 value)",
+        facts=facts,
+    )
+
+
+def test_errors_name_the_file_of_a_bad_rule(tmp_path):
+    path = write(
+        tmp_path,
+        "defaults: {bits: 2}\noverrides:\n"
+        "  - {layers: '0-3', tensor: key, bits: 4}\n"
+        "  - {layers: '*', tensor: value, bits: 3, group_size: 12}\n",
+    )
+    raises(path, f"{path}, rule 2, field 'group_size'", "byte boundary")
+
+
+# --------------------------------------------------------------------------- errors: loading
+
+
+def test_model_policy_loading_goes_through_the_schema():
+    data = build().model_dump(mode="json")
+    data["tensors"][1]["bits"] = 5
+    with pytest.raises(PolicyError) as info:
+        ModelPolicy.from_yaml(yaml.safe_dump(data, allow_unicode=True))
+    assert "tensors[1] (layer 0 value), field 'bits'" in str(info.value)
+    assert "5 bits is not supported" in str(info.value)
+
+    data = build().model_dump(mode="json")
+    data["tensors"][0]["colour"] = "red"
+    with pytest.raises(PolicyError, match=r"tensors\[0\] \(layer 0 key\), field 'colour'"):
+        ModelPolicy.from_json(__import__("json").dumps(data))
+
+    data = build().model_dump(mode="json")
+    data["tensors"][2]["sinks"] = 0
+    with pytest.raises(PolicyError, match="layer 1: key has sinks 0 but value has 4"):
+        ModelPolicy.from_yaml(yaml.safe_dump(data, allow_unicode=True))
+
+    data = build().model_dump(mode="json")
+    data["tensors"] = data["tensors"][2:] + data["tensors"][:2]
+    with pytest.raises(PolicyError, match="break the order"):
+        ModelPolicy.from_yaml(yaml.safe_dump(data, allow_unicode=True))
+
+
+def test_model_policy_loading_errors(tmp_path):
+    with pytest.raises(PolicyError, match="empty policy"):
+        ModelPolicy.from_yaml("\n\n")
+    with pytest.raises(PolicyError, match="cannot parse JSON at line 1"):
+        ModelPolicy.from_json("{not json")
+    with pytest.raises(PolicyError, match="not found"):
+        ModelPolicy.from_yaml(tmp_path / "missing.yaml")
+    with pytest.raises(PolicyError, match="field 'tensors'"):
+        ModelPolicy.from_yaml("version: 1\nmodel: x\ntensors: []\n")
+
+
+def test_tensor_policy_validators():
+    good = build().get(0, "key").model_dump()
+    with pytest.raises(Exception, match="rotary_dim=80 exceeds head_dim=64"):
+        TensorPolicy(**{**good, "rotary_dim": 80})
+    with pytest.raises(Exception, match="set together"):
+        TensorPolicy(**{**good, "rope": None})
+    assert isinstance(PolicySpec(), PolicySpec)
