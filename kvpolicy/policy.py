@@ -916,18 +916,19 @@ def _reason(
         )
     if kind is TensorKind.KEY:
         phrase = _rope_text(facts)[3]
+        stored = "cached" if values["bits"] == FULL_PRECISION else "quantized"
         if facts.rope is None:
             parts.append(
                 "no RoPE on the key path (learned, absolute or no positions): nothing to move"
             )
         elif values["pre_rope"]:
             parts.append(
-                f"quantized before {phrase}, which smears outlier channels; RoPE is re-applied "
-                "after dequantization"
+                f"{stored} before {phrase}, which smears outlier channels; RoPE is re-applied "
+                "inside attention"
             )
         elif derived_pre_rope:
             parts.append(
-                f"quantized after {phrase} because {_sets(origins['pre_rope'])} pre_rope "
+                f"{stored} after {phrase} because {_sets(origins['pre_rope'])} pre_rope "
                 "false; pre-RoPE was derived, since the rotation smears outlier channels"
             )
     changed = [

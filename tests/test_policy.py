@@ -181,6 +181,18 @@ def test_overrides_apply_in_order_and_mark_what_they_change():
     assert "rule 4 sets axis channel" in value.reason
 
 
+def test_layer_selector_forms():
+    spec = {
+        "overrides": [
+            {"layers": "2", "tensor": "key", "bits": 4},
+            {"layers": " 0 - 1 ", "tensor": "value", "bits": 8},
+            {"layers": [3, "0-0"], "tensor": "key", "bits": 3},
+        ]
+    }
+    policy = build(spec)
+    assert [t.bits for t in policy.tensors] == [3, 8, 2, 8, 4, 2, 3, 2]
+
+
 def test_override_equal_to_derived_is_not_an_override():
     policy = build({"overrides": [{"layers": "*", "tensor": "key", "axis": "channel"}]})
     assert not any(t.overridden for t in policy.tensors)
@@ -218,6 +230,7 @@ def test_full_precision_and_avg_bits():
     policy = build({"overrides": [{"layers": 0, "tensor": "*", "bits": 16}]})
     key = policy.get(0, "key")
     assert key.full_precision and key.overridden and "kept in full precision" in key.reason
+    assert "cached before rotate_half RoPE" in key.reason
     assert policy.avg_bits == pytest.approx((16 * 2 + 2 * 6) / 8)
 
 
@@ -528,6 +541,17 @@ def test_error_group_size_does_not_divide_head_dim():
     )
     # Per-channel keys group tokens: any head_dim is fine for them.
     assert build({"defaults": {"group_size": 64}}, facts=model_facts(1, head_dim=64)).get(0, "key")
+
+
+def test_error_pinned_axis_is_not_blamed_for_the_group_size():
+    # kivi-2 pins V per-token by a rule; the conflict is its default group size.
+    raises(
+        "kivi-2",
+        "kivi-2, defaults, field 'group_size'",
+        "32 does not divide head_dim=16",
+        "use 16",
+        facts=model_facts(2, head_dim=16),
+    )
 
 
 def test_error_group_size_set_by_rule_is_blamed_on_the_rule():
