@@ -319,7 +319,7 @@ class ModelPolicy(_Frozen):
         raise KeyError(f"layer {layer} is not in this policy (layers {_ranges(self.layers)})")
 
     def __str__(self) -> str:
-        return render_table(self)
+        return _render_table(self)
 
     def to_yaml(self) -> str:
         # A very wide line width keeps each reason on one line.
@@ -419,7 +419,7 @@ def _row(label: str, t: TensorPolicy) -> list[str]:
     ]
 
 
-def render_table(policy: ModelPolicy) -> str:
+def _render_table(policy: ModelPolicy) -> str:
     """An aligned table, one row per tensor. Consecutive layers whose key and value
     policies are identical in every field but ``layer`` share one row pair ("0-29")."""
     groups: list[tuple[list[int], TensorPolicy, TensorPolicy]] = []
