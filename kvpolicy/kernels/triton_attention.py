@@ -88,7 +88,7 @@ def _dequant_tile(
     sc_2,  # codes stride: channel (channel axis); unused otherwise
     ss_0,  # scale stride: token group (channel axis) / token (token axis)
     ss_1,  # scale stride: channel (channel axis) / channel group (token axis)
-    tok,  # [N] int64 token indices inside the segment
+    tok,  # [N] int32 token indices inside the segment
     ch,  # [C] channel indices
     ok,  # [N, C] which elements exist
     BITS: tl.constexpr,  # code width, or 16 for a plain tensor
@@ -230,10 +230,12 @@ def _packed_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    start = pid_s * split_len
+    # Offsets *inside* one (batch, head) stay int32 (Tk * D < 2**31 is checked by the
+    # launcher): int64 index tiles doubled the registers of every gathered tile.
+    start = tl.program_id(2) * split_len
     end = tl.minimum(start + split_len, kv_len)
     for n0 in range(start, end, BLOCK_N):
-        tok = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        tok = n0 + tl.arange(0, BLOCK_N)
         tok_ok = tok < end
         s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if ROPE != 0:
@@ -361,6 +363,11 @@ def _packed_dims(p: Packed, spec: QuantSpec, what: str) -> tuple[int, int, int, 
     return b, h, t, d
 
 
+def _inner_extent(t: torch.Tensor, first: int) -> int:
+    """Largest element offset of ``t`` from dim ``first`` on (the kernel's int32 range)."""
+    return sum((n - 1) * st for n, st in zip(t.shape[first:], t.stride()[first:], strict=True))
+
+
 def _strides(p: Packed, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor, tuple, tuple]:
     """(scale, zero, codes strides (b, h, 0, 1, 2), scale strides (b, h, 0, 1))."""
     c = p.codes
@@ -385,6 +392,7 @@ def packed_attention_partial(
     rope: RotarySpec | None = None,
     k_positions: torch.Tensor | None = None,
     num_splits: int | None = None,
+    check_positions: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` over one packed K/V segment, dequantizing in the kernel.
 
@@ -406,6 +414,10 @@ def packed_attention_partial(
         k_positions: ``[B, Tk]`` int64 absolute positions of the keys (with ``rope``).
         num_splits: splits of the key axis; default: one on CPU, enough for two waves
             of programs on a GPU.
+        check_positions: raise if a position falls outside the rotary table. This costs
+            a host sync per call on a GPU; a caller that builds the positions itself
+            (the cache) may pass False. Out-of-range positions then read outside the
+            table.
     Returns:
         ``out`` fp32 ``[B, Hq, Tq, D]`` and ``lse`` fp32 ``[B, Hq, Tq]``; a row that
         sees no key gives ``out = 0`` and ``lse = -inf``.
@@ -450,13 +462,13 @@ def packed_attention_partial(
                              f"{tuple(k_positions.shape)}")
         if k_positions.dtype not in (torch.int64, torch.int32):
             raise CacheError(f"k_positions must be int64, got {k_positions.dtype}")
-        # NOTE: a host sync per call; out-of-range positions would read outside the table.
-        lo, hi = int(k_positions.min()), int(k_positions.max())
-        if lo < 0 or hi >= rope.max_positions:
-            raise CacheError(
-                f"positions span [{lo}, {hi}] but the rotary table has {rope.max_positions} "
-                "rows; build the RotarySpec with more positions"
-            )
+        if check_positions:
+            lo, hi = int(k_positions.min()), int(k_positions.max())
+            if lo < 0 or hi >= rope.max_positions:
+                raise CacheError(
+                    f"positions span [{lo}, {hi}] but the rotary table has "
+                    f"{rope.max_positions} rows; build the RotarySpec with more positions"
+                )
         pos = k_positions.to(device)
         cos, sin = rope.cos.to(device), rope.sin.to(device)
         if cos.stride() != sin.stride():
@@ -482,6 +494,14 @@ def packed_attention_partial(
 
     ks, kz, kcs, kss = _strides(k, k_spec)
     vs, vz, vcs, vss = _strides(v, v_spec)
+    inner = [_inner_extent(t, 2) for t in (k.codes, ks, v.codes, vs)]
+    if rope is not None:
+        inner.append(_inner_extent(cos, 0))
+    if max(inner) >= 2**31:
+        raise CacheError(
+            f"one head of this segment spans {max(inner)} elements, beyond the kernel's "
+            "int32 offsets; split the segment along the tokens"
+        )
 
     n_rows = gqa * tq
     block_m = min(64, max(16, triton.next_power_of_2(n_rows)))
