@@ -247,7 +247,11 @@ def test_bad_query_raises() -> None:
 
 
 def test_triton_backend_missing_is_a_clear_error(monkeypatch) -> None:
+    import kvpolicy.kernels
+
+    # Make the import fail even if an earlier test imported the module.
     monkeypatch.setitem(sys.modules, "kvpolicy.kernels.triton_attention", None)
+    monkeypatch.delattr(kvpolicy.kernels, "triton_attention", raising=False)
     layer = PackedKVLayer(K2, V2, residual=8, sinks=0, backend="triton")
     with pytest.raises(CacheError, match="backend='torch'"):
         layer.append(torch.randn(1, 1, 4, 64), torch.randn(1, 1, 4, 64))

@@ -11,12 +11,16 @@ groups. Two paths for :func:`packed_attention_partial`:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
+import weakref
+from typing import Any
 
 import torch
 
 from ..errors import CacheError
+from . import _cpu_ext
 from . import reference as _ref
 from .layout import Packed, QuantSpec, RotarySpec
 
@@ -183,4 +187,143 @@ def packed_attention_partial(
     Returns:
         ``(out [B, Hq, Tq, D] fp32, lse [B, Hq, Tq] fp32)``.
     """
+    if rope is not None and k_positions is None:
+        raise CacheError("pre-RoPE keys need k_positions [B, Tk]")
+    if _cpp_supported(q, k, k_spec, v_spec, rope):
+        dv = v.codes.shape[-1] * 8 // v_spec.bits
+        lib = _cpu_ext.load(k_spec.bits, v_spec.bits, k_spec.group_size, v_spec.group_size,
+                            q.shape[-1], dv)
+        if lib is not None:
+            return _cpp_packed_attention(lib, q, k, v, k_spec, v_spec, scale, mask, rope,
+                                         k_positions)
     return _eager_packed_attention(q, k, v, k_spec, v_spec, scale, mask, rope, k_positions)
+
+
+# --------------------------------------------------------------------------- C++ path
+
+_CPP_BITS = (1, 2, 3, 4, 8)
+# NOTE: tokens per parallel work item. Measured (8K tokens, SmolLM2 shapes, 2 threads):
+# see bench/cpu_attention.py; 512 keeps the per-item score buffer in L1/L2 and still
+# gives 3 heads x 16 items to balance across threads.
+_CHUNK_TOKENS = 512
+# NOTE: above this many query rows per kv head the eager dequantize + matmul path wins
+# (prefill); the fused kernel's scalar-per-row dot products are made for decode.
+_CPP_MAX_ROWS = 48
+
+_rope_tables: weakref.WeakKeyDictionary[RotarySpec, tuple[torch.Tensor, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _compact_rope(rope: RotarySpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[P, rotary_dim/2]`` fp32 cos/sin: each distinct frequency once (built once per spec)."""
+    got = _rope_tables.get(rope)
+    if got is None:
+        half = rope.rotary_dim // 2
+        if rope.style == "rotate_half":
+            cos, sin = rope.cos[:, :half], rope.sin[:, :half]
+        else:
+            cos, sin = rope.cos[:, 0::2], rope.sin[:, 0::2]
+        got = (cos.float().contiguous().cpu(), sin.float().contiguous().cpu())
+        _rope_tables[rope] = got
+    return got
+
+
+def _cpp_supported(
+    q: torch.Tensor, k: Packed, k_spec: QuantSpec, v_spec: QuantSpec, rope: RotarySpec | None
+) -> bool:
+    hkv = k.codes.shape[1] if k.codes.dim() == 5 else 0
+    return (
+        hkv > 0
+        and q.dim() == 4
+        and q.shape[1] % hkv == 0
+        and q.shape[1] // hkv * q.shape[2] <= _CPP_MAX_ROWS
+        and q.device.type == "cpu"
+        and k_spec.axis == "channel"
+        and v_spec.axis == "token"
+        and k_spec.bits in _CPP_BITS
+        and v_spec.bits in _CPP_BITS
+        and (rope is None or rope.style in ("rotate_half", "interleaved"))
+    )
+
+
+def _bh(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``t`` with each ``[b, h]`` slab contiguous, and its batch and head strides."""
+    inner = t.shape[2:]
+    want = 1
+    ok = True
+    for size, stride in zip(reversed(inner), reversed(t.stride()[2:]), strict=True):
+        if size != 1 and stride != want:
+            ok = False
+            break
+        want *= size
+    if not ok:
+        t = t.contiguous()
+    return t, t.stride(0), t.stride(1)
+
+
+def _cpp_packed_attention(
+    lib: Any,
+    q: torch.Tensor,
+    k: Packed,
+    v: Packed,
+    k_spec: QuantSpec,
+    v_spec: QuantSpec,
+    scale: float,
+    mask: torch.Tensor | None,
+    rope: RotarySpec | None,
+    k_positions: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, hq, tq, dk = q.shape
+    kc, ks, kz = k
+    vc, vs, vz = v
+    hkv = kc.shape[1]
+    tk = kc.shape[2] * k_spec.group_size
+    dv = vc.shape[3] * 8 // v_spec.bits
+    if hkv == 0 or hq % hkv:
+        raise CacheError(f"{hq} query heads are not a multiple of {hkv} kv heads")
+    if vc.shape[2] != tk:
+        raise CacheError(f"key segment holds {tk} tokens but value segment {vc.shape[2]}")
+    qs = (q.float() * scale).contiguous()
+    kc, kc_sb, kc_sh = _bh(kc)
+    ks, ks_sb, ks_sh = _bh(ks.float())
+    kz, kz_sb, kz_sh = _bh(kz.float())
+    vc, vc_sb, vc_sh = _bh(vc)
+    vs, vs_sb, vs_sh = _bh(vs.float())
+    vz, vz_sb, vz_sh = _bh(vz.float())
+    out = torch.empty(b, hq, tq, dv)
+    lse = torch.empty(b, hq, tq)
+    p = _cpu_ext.Params(
+        B=b, Hkv=hkv, rep=hq // hkv, Tq=tq, Dk=dk, Dv=dv, Tk=tk,
+        Gk=k_spec.group_size, Gv=v_spec.group_size,
+        chunk=max(k_spec.group_size, _CHUNK_TOKENS // k_spec.group_size * k_spec.group_size),
+        nthreads=torch.get_num_threads(),
+        q=qs.data_ptr(),
+        kc=kc.data_ptr(), kc_sb=kc_sb, kc_sh=kc_sh,
+        ks=ks.data_ptr(), ks_sb=ks_sb, ks_sh=ks_sh,
+        kz=kz.data_ptr(), kz_sb=kz_sb, kz_sh=kz_sh,
+        vc=vc.data_ptr(), vc_sb=vc_sb, vc_sh=vc_sh,
+        vs=vs.data_ptr(), vs_sb=vs_sb, vs_sh=vs_sh,
+        vz=vz.data_ptr(), vz_sb=vz_sb, vz_sh=vz_sh,
+        out=out.data_ptr(), lse=lse.data_ptr(),
+    )
+    if mask is not None:
+        mf = mask.float().expand(b, hq, tq, tk)
+        p.mask = mf.data_ptr()
+        p.m0, p.m1, p.m2, p.m3 = mf.stride()
+    if rope is not None:
+        assert k_positions is not None
+        pos = k_positions.to(torch.int64).contiguous()
+        if pos.shape != (b, tk):
+            raise CacheError(f"k_positions must be [B, Tk] = {(b, tk)}, got {tuple(pos.shape)}")
+        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= rope.max_positions):
+            raise CacheError(
+                f"k_positions exceed the rotary table ({rope.max_positions} rows)"
+            )
+        cos, sin = _compact_rope(rope)
+        p.kpos, p.kpos_sb = pos.data_ptr(), pos.stride(0)
+        p.cosc, p.sinc = cos.data_ptr(), sin.data_ptr()
+        p.half, p.rope_style = rope.rotary_dim // 2, 1 if rope.style == "rotate_half" else 2
+    if lib.kvp_packed_attention(ctypes.byref(p), k_spec.bits, v_spec.bits) != 0:
+        raise CacheError(f"CPU kernel has no instance for {k_spec.bits}/{v_spec.bits} bits")
+    return out, lse
