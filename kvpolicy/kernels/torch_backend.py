@@ -133,13 +133,14 @@ def dequantize(p: Packed, spec: QuantSpec, dtype: torch.dtype = torch.float32) -
     if spec.axis == "channel":
         b, h, n, _, d = codes.shape
         c = unpack_bits(codes.transpose(3, 4), spec.bits)  # [B,H,n,D,G]
-        x = torch.addcmul(zero.float().unsqueeze(-1), c.float(), scale.float().unsqueeze(-1))
+        # Not addcmul: its fused multiply-add rounds once and would differ from the reference.
+        x = c.float() * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
         return x.transpose(3, 4).reshape(b, h, n * spec.group_size, d).to(dtype)
     b, h, t, _ = codes.shape
     c = unpack_bits(codes, spec.bits)
     d = c.shape[-1]
     c = c.reshape(b, h, t, d // spec.group_size, spec.group_size)
-    x = torch.addcmul(zero.float().unsqueeze(-1), c.float(), scale.float().unsqueeze(-1))
+    x = c.float() * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
     return x.reshape(b, h, t, d).to(dtype)
 
 
