@@ -2,7 +2,7 @@
 hand-written attention modules that are not transformers code.
 
 Every builder returns a model in eval mode in well under a second. The transformers
-models are configured small (2 layers, head_dim 16, GQA where the architecture has it)
+models are configured small (2 layers, head_dim 32, GQA where the architecture has it)
 but otherwise left as the library builds them, so that the compiler sees each
 architecture's real attention code: partial rotary, per-head key norms, fused qkv
 projections, learned positions.
@@ -27,11 +27,12 @@ __all__ = [
     "GptFastAttention",
 ]
 
-# Common shape of every tiny model: hidden 64 = 4 query heads x head_dim 16.
+# Common shape of every tiny model: hidden 128 = 4 query heads x head_dim 32 (the smallest
+# head_dim that the default group of 32 channels divides).
 _BASE: dict[str, Any] = dict(
     vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
+    hidden_size=128,
+    intermediate_size=256,
     num_hidden_layers=2,
     num_attention_heads=4,
     max_position_embeddings=256,
@@ -45,22 +46,22 @@ _GQA = dict(num_key_value_heads=2)
 # Per-architecture settings: only what the architecture needs to be small and to keep
 # its characteristic attention (GQA, partial rotary, key norm, MQA ...).
 TINY_ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "llama": {**_GQA, "head_dim": 16},
-    "mistral": {**_GQA, "head_dim": 16, "sliding_window": None},
+    "llama": {**_GQA, "head_dim": 32},
+    "mistral": {**_GQA, "head_dim": 32, "sliding_window": None},
     "qwen2": {**_GQA},
-    "qwen3": {**_GQA, "head_dim": 16},  # per-head q/k RMSNorm before RoPE
-    "gemma": {**_GQA, "head_dim": 16},
-    "gemma3_text": {**_GQA, "head_dim": 16, "sliding_window": 64},  # q/k norm, local+global
+    "qwen3": {**_GQA, "head_dim": 32},  # per-head q/k RMSNorm before RoPE
+    "gemma": {**_GQA, "head_dim": 32},
+    "gemma3_text": {**_GQA, "head_dim": 32, "sliding_window": 64},  # q/k norm, local+global
     "phi": {**_GQA},  # partial rotary (factor 0.5), biases, dense
     "gpt_neox": {},  # fused qkv, partial rotary (0.25)
     "gpt2": {},  # fused qkv Conv1D, learned absolute positions, no RoPE
-    "opt": {"ffn_dim": 128, "word_embed_proj_dim": 64},  # learned positions, no RoPE
+    "opt": {"ffn_dim": 256, "word_embed_proj_dim": 128},  # learned positions, no RoPE
     "stablelm": {**_GQA},  # partial rotary (0.25)
     "olmo2": {**_GQA},  # q/k RMSNorm over the whole projection before RoPE
     "starcoder2": {**_GQA, "sliding_window": None},
-    "mixtral": {**_GQA, "head_dim": 16, "num_local_experts": 2, "num_experts_per_tok": 1},
+    "mixtral": {**_GQA, "head_dim": 32, "num_local_experts": 2, "num_experts_per_tok": 1},
     "gpt_bigcode": {"multi_query": True},  # MQA, fused c_attn, learned positions
-    "codegen": {"rotary_dim": 8, "n_ctx": 256},  # GPT-J style interleaved, partial
+    "codegen": {"rotary_dim": 16, "n_ctx": 256},  # GPT-J style interleaved, partial
 }
 
 
@@ -144,7 +145,7 @@ class NanoGPT(nn.Module):
     """
 
     def __init__(
-        self, vocab_size: int = 128, n_embd: int = 64, n_head: int = 4, n_layer: int = 2,
+        self, vocab_size: int = 128, n_embd: int = 128, n_head: int = 4, n_layer: int = 2,
         block_size: int = 256, seed: int = 0,
     ) -> None:
         super().__init__()
@@ -259,7 +260,7 @@ class GptFast(nn.Module):
     """
 
     def __init__(
-        self, vocab_size: int = 128, dim: int = 64, n_head: int = 4, n_local_heads: int = 2,
+        self, vocab_size: int = 128, dim: int = 128, n_head: int = 4, n_local_heads: int = 2,
         n_layer: int = 2, block_size: int = 256, rope_base: float = 10000.0, seed: int = 0,
     ) -> None:
         super().__init__()

@@ -1,0 +1,255 @@
+"""Find a rotary embedding on the key path and the pre-RoPE point in front of it.
+
+A rotation is recognised by what it does, not by a name: starting from the key as the
+attention consumer reads it, the pass collects the key-dependent nodes up to the nearest
+*dominator* of the key (a node every key path passes through) that lies above every
+multiplication by a position-only tensor (cos/sin tables, ``freqs_cis``). Such a region
+that is linear in the key — multiplications only by position tensors, plus slices, negation,
+concatenation, stacking, complex views and adds — is a rotary embedding. Its style comes
+from how channels are paired inside it: halves (rotate-half), even/odd strides or
+``stack`` (interleaved, GPT-J) or ``view_as_complex`` (complex multiply). Its width is the
+channel count of the position multiplications (partial rotary when fewer than head_dim).
+
+Key-dependent means "has a model parameter among its ancestors": hidden states reach the
+key through a projection weight; positions never touch a weight.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from ..errors import AnalysisError
+from ..facts import RopeFacts, RopeStyle
+from .contraction import LAYOUT_OPS, _expr, _shape, op_name
+
+__all__ = ["RopeMatch", "find_rope", "key_dependent_nodes"]
+
+log = logging.getLogger(__name__)
+
+_PROJECTIONS = frozenset({"linear", "addmm", "mm", "matmul", "bmm", "baddbmm", "conv1d"})
+# Ops a rotary embedding may consist of (besides layout ops).
+_ROPE_OPS = frozenset({
+    "mul", "add", "sub", "neg", "cat", "stack", "view_as_complex", "view_as_real",
+    "select", "_to_copy", "to", "type_as", "slice", "getitem", "split", "chunk", "unbind",
+}) | LAYOUT_OPS
+
+
+@dataclass(frozen=True)
+class RopeMatch:
+    facts: RopeFacts
+    pre_rope: fx.Node  # the key right before the rotation
+    token_dim: int  # of pre_rope
+    channel_dim: int  # of pre_rope (the last dim: RoPE rotates the innermost dim)
+    region: tuple[str, ...]  # names of the nodes that make up the rotation
+
+
+def key_dependent_nodes(gm: fx.GraphModule, parameter_names: set[str]) -> set[fx.Node]:
+    """Nodes with a model parameter among their ancestors (graph order = topological)."""
+    dep: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if node.name in parameter_names:
+                dep.add(node)
+        elif any(a in dep for a in node.all_input_nodes):
+            dep.add(node)
+    return dep
+
+
+def _ancestors_within(node: fx.Node, allowed: set[fx.Node]) -> list[fx.Node]:
+    out, stack, seen = [], [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        out.append(n)
+        stack.extend(a for a in n.all_input_nodes if a in allowed)
+    return out
+
+
+def _dominates(d: fx.Node, x: fx.Node, dep: set[fx.Node]) -> bool:
+    """Every key-dependent path into ``x`` from a parameter passes through ``d``."""
+    stack, seen = [x], set()
+    while stack:
+        n = stack.pop()
+        if n is d or n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return False  # reached a parameter without passing d
+        stack.extend(a for a in n.all_input_nodes if a in dep)
+    return True
+
+
+def _placeholder_sources(node: fx.Node, names: dict[str, str]) -> list[str]:
+    """Names (input paths / buffer names) of the placeholders a position tensor comes from."""
+    found, stack, seen = [], [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            found.append(names.get(n.name, n.name))
+        # Only tensor inputs: sym_size nodes would drag in every input sharing a dim size.
+        stack.extend(a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
+    return sorted(set(found))
+
+
+def find_rope(
+    gm: fx.GraphModule,
+    key_end: fx.Node,
+    token_size,
+    head_dim: int,
+    parameter_names: set[str],
+    placeholder_names: dict[str, str],
+) -> RopeMatch | None:
+    """Find the rotary embedding that produces ``key_end``, if any.
+
+    Args:
+        key_end: the key as the attention consumer reads it, before any GQA expansion
+            (the cache point of the post-RoPE key).
+        token_size: the symbolic size of the token dim (to locate it in the pre-RoPE node).
+        head_dim: channels per head of the cached key.
+        parameter_names: placeholder names of the block's parameters.
+        placeholder_names: placeholder name -> readable source ("kwargs['position_embeddings'][0]").
+    """
+    dep = key_dependent_nodes(gm, parameter_names)
+    if key_end not in dep:
+        return None
+    region = _ancestors_within(key_end, dep)
+    pos_muls = [
+        n for n in region
+        if op_name(n) == "mul" and sum(a in dep for a in n.all_input_nodes) == 1
+        and any(a not in dep for a in n.all_input_nodes)
+    ]
+    if not pos_muls:
+        log.debug("no multiplication by a position tensor on the key path; no RoPE")
+        return None
+    # The nearest dominator of key_end above every position multiplication.
+    below = set()
+    for m in pos_muls:
+        below |= {n for n in region if n is m or _is_ancestor(m, n, dep)}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    cands = sorted((n for n in region if n not in below), key=order.__getitem__, reverse=True)
+    def whole_key(d: fx.Node) -> bool:
+        # A tensor that still holds whole keys: head_dim innermost, the token dim present.
+        shape = _shape(d)
+        return (
+            bool(shape) and _expr(shape[-1]) == head_dim
+            and any(_expr(x) == _expr(token_size) for x in shape)
+        )
+
+    pre = next((d for d in cands if whole_key(d) and _dominates(d, key_end, dep)), None)
+    if pre is None:
+        raise AnalysisError(
+            f"the key path into {key_end.format_node()} multiplies by position tensors but "
+            "has no single tensor in front of the rotation"
+        )
+    rotation = [n for n in region if _is_ancestor(pre, n, dep) and n is not pre]
+    names = {op_name(n) for n in rotation}
+    if not names <= _ROPE_OPS:
+        log.debug("key path region has non-rotation ops %s; not RoPE", sorted(names - _ROPE_OPS))
+        return None
+    # Style from the channel pairing inside the rotation.
+    if "view_as_complex" in names:
+        style = RopeStyle.COMPLEX
+    elif "stack" in names or any(
+        op_name(n) == "slice" and len(n.args) > 4 and n.args[4] not in (None, 1) for n in rotation
+    ):
+        style = RopeStyle.INTERLEAVED
+    elif "cat" in names and "neg" in names:
+        style = RopeStyle.ROTATE_HALF
+    else:
+        log.debug("position multiplications without a recognisable channel pairing; not RoPE")
+        return None
+    widths = {int(_shape(m)[-1]) for m in pos_muls if not _is_complex(m)}
+    cwidths = {2 * int(_shape(m)[-1]) for m in pos_muls if _is_complex(m)}
+    widths |= cwidths
+    if len(widths) != 1:
+        raise AnalysisError(
+            f"rotation on the key path multiplies {sorted(widths)} channels in different "
+            f"places; expected one rotary width (at {key_end.format_node()})"
+        )
+    rotary_dim = widths.pop()
+    pre_shape = _shape(pre)
+    if int(_expr(pre_shape[-1])) != head_dim:
+        raise AnalysisError(
+            f"the key in front of the rotation {pre.format_node()} has last dim "
+            f"{pre_shape[-1]}, expected head_dim={head_dim}"
+        )
+    tok = [d for d, s in enumerate(pre_shape) if _expr(s) == _expr(token_size)]
+    if len(tok) != 1:
+        raise AnalysisError(
+            f"cannot locate the token dim (size {token_size}) in the pre-RoPE key "
+            f"{pre.format_node()} of shape {pre_shape}"
+        )
+    # cos multiplies the key itself; sin multiplies the rotated copy.
+    cos_src = sin_src = None
+    for m in pos_muls:
+        key_in = next(a for a in m.all_input_nodes if a in dep)
+        pos_in = next(a for a in m.all_input_nodes if a not in dep)
+        src = ", ".join(_placeholder_sources(pos_in, placeholder_names)) or "<constant>"
+        rotated = any(op_name(n) in ("neg", "cat", "stack") for n in _ancestors_within(key_in, dep)
+                      if _is_ancestor(pre, n, dep) or n is key_in)
+        if style is RopeStyle.COMPLEX:
+            cos_src = src
+        elif rotated:
+            sin_src = sin_src or src
+        else:
+            cos_src = cos_src or src
+    partial = rotary_dim < head_dim
+    desc = {
+        RopeStyle.ROTATE_HALF: "rotate-half",
+        RopeStyle.INTERLEAVED: "interleaved-pair",
+        RopeStyle.COMPLEX: "complex-multiply (interleaved pairs)",
+    }[style]
+    span = (
+        f"channels 0-{rotary_dim - 1} of {head_dim} (partial)"
+        if partial else f"all {head_dim} channels"
+    )
+    facts = RopeFacts(
+        style=style, rotary_dim=rotary_dim, head_dim=head_dim,
+        cos_source=cos_src or "<unknown>",
+        sin_source=None if style is RopeStyle.COMPLEX else (sin_src or "<unknown>"),
+        pre_rope_node=pre.name, description=f"{desc} RoPE on {span}",
+    )
+    return RopeMatch(
+        facts=facts, pre_rope=pre, token_dim=tok[0], channel_dim=len(pre_shape) - 1,
+        region=tuple(n.name for n in rotation),
+    )
+
+
+def _is_complex(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_complex()
+
+
+def _is_ancestor(a: fx.Node, n: fx.Node, dep: set[fx.Node]) -> bool:
+    """``a`` is a (key-dependent) ancestor of ``n``."""
+    stack, seen = [n], set()
+    while stack:
+        x = stack.pop()
+        if x is a:
+            return True
+        if x in seen:
+            continue
+        seen.add(x)
+        stack.extend(y for y in x.all_input_nodes if y in dep)
+    return False
+
+
+def precedes_projection(node: fx.Node) -> tuple[bool, str]:
+    """Walk up through layout ops: is the first computing op a projection?
+
+    Returns ``(True, op)`` for a projection (linear/addmm/...), ``(False, op)`` when some
+    other op (a per-head key norm, Qwen3/OLMo2) sits between the projection and ``node``.
+    """
+    n = node
+    while n.op == "call_function" and op_name(n) in LAYOUT_OPS:
+        n = n.args[0] if op_name(n) != "getitem" else n.args[0].args[0]
+    return (op_name(n) in _PROJECTIONS, op_name(n))
