@@ -16,7 +16,8 @@ Three layers, each a frozen pydantic v2 model:
 
 Every problem a user can cause raises ``PolicyError`` naming the source (file path,
 ``<dict>`` or preset name), where in it (``defaults``, ``rule N`` counted from 1) and
-the field. Nothing falls back silently.
+the field. Nothing falls back silently: the one fallback, a smaller per-token group where
+the built-in group size does not divide head_dim, is written in the tensor's reason.
 """
 
 from __future__ import annotations
@@ -155,17 +156,29 @@ def _check_byte_aligned(group_size: int, bits: int) -> None:
     )
 
 
-def _check_divides(group_size: int, head_dim: int, bits: int) -> None:
-    """Axis 'token' groups G channels of one token, so G must divide head_dim."""
-    if head_dim % group_size == 0:
-        return
+def _token_group_sizes(head_dim: int, bits: int) -> list[int]:
+    """Group sizes that tile head_dim with byte-aligned groups, ascending. Powers of two
+    (what the kernels tile well: they pad a group to the next one) and head_dim itself come
+    first; other divisors only where none of those fits."""
     ok = [
         d
         for d in range(1, head_dim + 1)
         if head_dim % d == 0 and (bits >= FULL_PRECISION or (d * bits) % 8 == 0)
     ]
-    # Suggest powers of two (what the kernels tile well) and head_dim itself first.
-    preferred = [d for d in ok if d & (d - 1) == 0 or d == head_dim] or ok
+    return [d for d in ok if d & (d - 1) == 0 or d == head_dim] or ok
+
+
+def _fallback_group_size(group_size: int, head_dim: int, bits: int) -> int | None:
+    """The size that replaces a default ``group_size`` that does not divide head_dim: the
+    largest of ``_token_group_sizes`` not above it; None if there is none."""
+    return max((g for g in _token_group_sizes(head_dim, bits) if g <= group_size), default=None)
+
+
+def _check_divides(group_size: int, head_dim: int, bits: int) -> None:
+    """Axis 'token' groups G channels of one token, so G must divide head_dim."""
+    if head_dim % group_size == 0:
+        return
+    preferred = _token_group_sizes(head_dim, bits)
     below = [d for d in preferred if d < group_size][-1:]
     above = [d for d in preferred if d > group_size][:1]
     hint = f"; use {_join_or(below + above)}" if below + above else ""
@@ -509,7 +522,14 @@ def _normalize_selector(value: Any) -> int | str | tuple[int | str, ...]:
 
 
 class Defaults(_Frozen):
-    """Settings for every tensor before the overrides; the derived axis unless ``axis``."""
+    """Settings for every tensor before the overrides; the derived axis unless ``axis``.
+
+    A ``group_size`` that was not given (not in ``model_fields_set``; presets count as not
+    given) is the built-in default: where a tensor's axis is ``token`` and it does not
+    divide head_dim, ``build_policy`` uses the largest byte-aligned divisor below it (a
+    power of two or head_dim itself where one fits) and says so in the reason. A given one
+    that does not divide is an error.
+    """
 
     bits: StrictInt = 2
     group_size: StrictInt = Field(default=_KVPOLICY_DEFAULTS["group_size"], gt=0)
@@ -732,10 +752,6 @@ def _text_or_file(text_or_path: str | Path, label: str) -> tuple[str, str]:
     return text_or_path, label
 
 
-def _base_defaults(bits: int) -> dict[str, Any]:
-    return {"bits": bits, **_KVPOLICY_DEFAULTS}
-
-
 def load_spec(
     policy: str | Path | Mapping[str, Any] | PolicySpec | None = None, bits: int = 2
 ) -> PolicySpec:
@@ -763,12 +779,12 @@ def load_spec(
         name = f"kvpolicy-{bits}"
         if name in presets:
             return load_spec(name, bits)
-        return PolicySpec(source=name, defaults=Defaults(**_base_defaults(bits)))
+        return PolicySpec(source=name, defaults=Defaults(bits=bits))
     if isinstance(policy, Mapping):
         return _spec_from_document(policy, "<dict>", bits)
     if isinstance(policy, str) and policy in presets:
         text = _presets_dir().joinpath(f"{policy}.yaml").read_text(encoding="utf-8")
-        return _spec_from_document(_parse_yaml(text, policy), policy, bits)
+        return _spec_from_document(_parse_yaml(text, policy), policy, bits, builtin=True)
     if isinstance(policy, (str, Path)):
         path = Path(policy)
         return _spec_from_document(_parse_yaml(_read_file(path), str(policy)), str(policy), bits)
@@ -778,7 +794,9 @@ def load_spec(
     )
 
 
-def _spec_from_document(doc: Any, source: str, bits: int) -> PolicySpec:
+def _spec_from_document(doc: Any, source: str, bits: int, builtin: bool = False) -> PolicySpec:
+    """Validate a parsed document. ``builtin``: a shipped preset, whose defaults count as
+    kvpolicy's own rather than written by the user (see ``Defaults``)."""
     if not isinstance(doc, Mapping):
         raise PolicyError(
             f"{source}: the top level must be a mapping with 'defaults' and/or 'overrides', "
@@ -809,15 +827,22 @@ def _spec_from_document(doc: Any, source: str, bits: int) -> PolicySpec:
         )
     payload: dict[str, Any] = {
         "source": source,
-        "defaults": {**_base_defaults(bits), **raw_defaults},
+        # Fields left out take Defaults' own (kvpolicy's) values and stay out of
+        # model_fields_set, which is how build_policy tells a written group_size.
+        "defaults": {"bits": bits, **raw_defaults},
         "overrides": doc.get("overrides", ()),
     }
     if "version" in doc:
         payload["version"] = doc["version"]
     try:
-        return PolicySpec.model_validate(payload)
+        spec = PolicySpec.model_validate(payload)
     except ValidationError as exc:
         raise _translate(exc, source, _spec_where, PolicySpec) from None
+    if builtin:
+        # Same validated values, none of them marked as given by the user.
+        unset = Defaults.model_construct(_fields_set=set(), **spec.defaults.model_dump())
+        spec = spec.model_copy(update={"defaults": unset})
+    return spec
 
 
 def _spec_where(loc: tuple[Any, ...]) -> tuple[str | None, Any, type[BaseModel]]:
@@ -900,6 +925,7 @@ def _reason(
     derived_axis: Axis,
     derived_pre_rope: bool,
     defaults: Defaults,
+    fallback_from: int | None = None,
 ) -> str:
     op = _CONSUMER[kind]
     summed = "channels" if facts.contracted is Contracted.CHANNEL else "tokens"
@@ -931,6 +957,12 @@ def _reason(
                 f"{stored} after {phrase} because {_sets(origins['pre_rope'])} pre_rope "
                 "false; pre-RoPE was derived, since the rotation smears outlier channels"
             )
+    if fallback_from is not None:
+        parts.append(
+            f"group {group_size}: the default {fallback_from} does not divide "
+            f"head_dim={facts.head_dim}, {group_size} is the largest byte-aligned size under "
+            f"{fallback_from} that does"
+        )
     changed = [
         f"{_sets(origins[f])} {f} {values[f]} (defaults: {getattr(defaults, f)})"
         for f in ("bits", "group_size", "residual", "sinks")
@@ -996,6 +1028,18 @@ def build_policy(
                     for name, value in rule.settings().items():
                         values[name] = value
                         origins[name] = i
+            fallback_from = None
+            if (
+                values["axis"] is Axis.TOKEN
+                and values["bits"] < FULL_PRECISION
+                and origins["group_size"] == _DEFAULTS
+                and "group_size" not in d.model_fields_set
+                and tf.head_dim % values["group_size"]
+            ):
+                # Only kvpolicy's own default shrinks; one the user wrote stays an error.
+                smaller = _fallback_group_size(values["group_size"], tf.head_dim, values["bits"])
+                if smaller is not None:
+                    fallback_from, values["group_size"] = values["group_size"], smaller
             rope_short, rope_style, rotary_dim, _ = (
                 _rope_text(tf) if kind is TensorKind.KEY else (None, None, None, "")
             )
@@ -1020,7 +1064,9 @@ def build_policy(
                     derived_axis=derived_axis,
                     derived_pre_rope=has_rope,
                     overridden=overridden,
-                    reason=_reason(kind, tf, values, origins, derived_axis, has_rope, d),
+                    reason=_reason(
+                        kind, tf, values, origins, derived_axis, has_rope, d, fallback_from
+                    ),
                 )
             except ValidationError as exc:
                 raise _blame(

@@ -226,6 +226,84 @@ def test_defaults_pre_rope_means_where_rope_exists():
     assert not policy.get(0, "key").pre_rope and policy.get(1, "key").pre_rope
 
 
+# head_dim, bits -> the largest G <= 32 that divides head_dim with G*bits a multiple of 8,
+# among powers of two and head_dim itself (20 and 24 would fit 80 and 48 at 2 bits, but the
+# kernels pad a group to the next power of two).
+@pytest.mark.parametrize(
+    "head_dim, bits, expected",
+    [(80, 2, 16), (16, 2, 16), (48, 2, 16), (40, 2, 8), (80, 3, 16), (12, 4, 12), (80, 4, 16)],
+)
+@pytest.mark.parametrize("policy", [None, "kvpolicy-2", {"defaults": {"sinks": 0}}])
+def test_default_group_size_shrinks_to_fit_head_dim(policy, head_dim, bits, expected):
+    if policy == "kvpolicy-2":
+        policy = f"kvpolicy-{bits}" if f"kvpolicy-{bits}" in list_presets() else None
+    facts = model_facts(2, head_dim=head_dim, rope=None)
+    built = build(policy, bits=bits, facts=facts)
+    key, value = built.get(1, "key"), built.get(1, "value")
+    assert (value.axis, value.group_size, value.overridden) == (Axis.TOKEN, expected, False)
+    assert f"groups of {expected} channels" in value.reason
+    assert f"group {expected}: the default 32 does not divide head_dim={head_dim}" in value.reason
+    # Per-channel keys group tokens, so head_dim does not constrain them.
+    assert (key.group_size, key.overridden) == (32, False)
+    assert "does not divide" not in key.reason
+
+
+@pytest.mark.parametrize("head_dim", [16, 80])
+def test_default_group_size_shrinks_for_presets(head_dim):
+    facts = model_facts(2, head_dim=head_dim)
+    for preset in ("kvpolicy-2", "kivi-2"):
+        value = build(preset, facts=facts).get(0, "value")
+        assert (value.group_size, value.overridden) == (16, False), preset
+        assert f"the default 32 does not divide head_dim={head_dim}" in value.reason
+    # A preset's rules that pin the derived axis leave the fallback alone; an axis rule that
+    # makes keys per-token shrinks their (default) group too, and only the axis overrides.
+    spec = {"overrides": [{"layers": "*", "tensor": "key", "axis": "token"}]}
+    key = build(spec, facts=facts).get(0, "key")
+    assert (key.axis, key.group_size, key.overridden) == (Axis.TOKEN, 16, True)
+    assert "rule 1 sets axis token" in key.reason and "the default 32 does not" in key.reason
+    assert "group_size" not in key.reason
+
+
+def test_default_group_size_shrinks_only_for_the_tensors_no_rule_sets():
+    facts = model_facts(2, head_dim=80)
+    # A group size written for the keys says nothing about the values' group size.
+    spec = {"overrides": [{"layers": "*", "tensor": "key", "group_size": 64}]}
+    policy = build(spec, facts=facts)
+    assert policy.get(0, "key").group_size == 64 and policy.get(0, "value").group_size == 16
+    # Written for the values, it is the user's and stays an error.
+    spec = {"overrides": [{"layers": 1, "tensor": "value", "group_size": 32}]}
+    raises(spec, "rule 1, field 'group_size'", "32 does not divide head_dim=80", facts=facts)
+    # A rule that writes the fallback's value is an override like any other.
+    spec = {"overrides": [{"layers": 1, "tensor": "value", "group_size": 16}]}
+    policy = build(spec, facts=facts)
+    shrunk, written = policy.get(0, "value"), policy.get(1, "value")
+    assert (shrunk.group_size, shrunk.overridden) == (16, False)
+    assert (written.group_size, written.overridden) == (16, True)
+    assert "rule 1 sets group_size 16 (defaults: 32)" in written.reason
+    assert "does not divide" not in written.reason
+
+
+def test_spec_objects_tell_a_given_group_size_from_the_default():
+    facts = model_facts(1, head_dim=80)
+    for spec in (PolicySpec(), PolicySpec(defaults=Defaults(bits=2, sinks=0))):
+        assert build_policy(facts, spec).get(0, "value").group_size == 16
+    with pytest.raises(PolicyError, match=r"32 does not divide head_dim=80 .*; use 16 or 80"):
+        build_policy(facts, PolicySpec(defaults=Defaults(group_size=32)))
+    # Presets load with nothing marked as given; a user's document marks what it writes.
+    assert "group_size" not in load_spec("kvpolicy-2").defaults.model_fields_set
+    assert "group_size" in load_spec({"defaults": {"group_size": 32}}).defaults.model_fields_set
+
+
+def test_default_group_size_without_a_fitting_size_is_still_an_error():
+    # 6 channels at 2 bits: 6 and 3 do not fill whole bytes, 2 and 1 neither.
+    raises(
+        None,
+        "kvpolicy-2, defaults, field 'group_size'",
+        "32 does not divide head_dim=6",
+        facts=model_facts(1, head_dim=6, rope=None),
+    )
+
+
 def test_full_precision_and_avg_bits():
     policy = build({"overrides": [{"layers": 0, "tensor": "*", "bits": 16}]})
     key = policy.get(0, "key")
@@ -519,6 +597,7 @@ def test_error_layers_out_of_range(layers, fragment):
 
 def test_error_group_size_does_not_divide_head_dim():
     facts = model_facts(2, head_dim=48)
+    # Written by the user, the group size is kept and refused; the default would shrink.
     raises(
         {"defaults": {"group_size": 32}},
         "<dict>, defaults, field 'group_size'",
@@ -526,6 +605,12 @@ def test_error_group_size_does_not_divide_head_dim():
         "use 16 or 48",
         "(layer 0 value)",
         facts=facts,
+    )
+    raises(
+        {"defaults": {"group_size": 32}},
+        "32 does not divide head_dim=80",
+        "use 16 or 80",
+        facts=model_facts(1, head_dim=80),
     )
     # A rule that makes keys per-token is blamed, not the defaults that were fine before.
     raises(
@@ -544,10 +629,15 @@ def test_error_group_size_does_not_divide_head_dim():
 
 
 def test_error_pinned_axis_is_not_blamed_for_the_group_size():
-    # kivi-2 pins V per-token by a rule; the conflict is its default group size.
+    # Like kivi-2 (V pinned per-token by a rule) but with the group size written out: the
+    # conflict is the group size, not the rule that restates the derived axis.
+    spec = {
+        "defaults": {"group_size": 32},
+        "overrides": [{"layers": "*", "tensor": "value", "axis": "token"}],
+    }
     raises(
-        "kivi-2",
-        "kivi-2, defaults, field 'group_size'",
+        spec,
+        "<dict>, defaults, field 'group_size'",
         "32 does not divide head_dim=16",
         "use 16",
         facts=model_facts(2, head_dim=16),
