@@ -25,7 +25,8 @@ class Contracted(str, Enum):
 class RopeStyle(str, Enum):
     ROTATE_HALF = "rotate_half"  # x*cos + cat(-x2, x1)*sin      (Llama, NeoX, ...)
     INTERLEAVED = "interleaved"  # pairs (x[2i], x[2i+1])          (GPT-J, CodeGen)
-    COMPLEX = "complex"  # view_as_complex(x) * freqs_cis   (Meta Llama, gpt-fast): interleaved pairs
+    # view_as_complex(x) * freqs_cis (Meta Llama, gpt-fast): interleaved pairs
+    COMPLEX = "complex"
 
 
 @dataclass(frozen=True)
