@@ -1,0 +1,22 @@
+"""Derive and print the KV-cache policy of a transformers model and of a hand-written one.
+
+    python examples/derive_policy.py
+"""
+
+from pathlib import Path
+
+import kvpolicy
+from kvpolicy.testing import GptFast, tiny_model
+
+# A transformers architecture with partial rotary (GPT-NeoX: 25 % of channels rotated).
+print(kvpolicy.derive_policy(tiny_model("gpt_neox"), bits=2))
+print()
+
+# gpt-fast-style attention: complex RoPE, its own cache buffers, matmul-softmax-matmul.
+print(kvpolicy.derive_policy(GptFast(), bits=4))
+print()
+
+# The same model under a YAML file with overrides: rows that differ from what the graph
+# implies are marked, and their reason says what was derived.
+yaml_file = Path(__file__).with_name("keys_4bit_first_layers.yaml")
+print(kvpolicy.derive_policy(tiny_model("llama"), policy=yaml_file))
