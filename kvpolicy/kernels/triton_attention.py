@@ -22,6 +22,7 @@ normalised output and log-sum-exp, and a second kernel merges the splits exactly
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -119,7 +120,112 @@ def _dequant_tile(
         code = (raw >> shift) & ((1 << BITS) - 1)
         scale = tl.load(s_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
         zero = tl.load(z_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
-        x = code.to(tl.float32) * scale + zero
+        x = _code_to_f32(code) * scale + zero
+    return x
+
+
+@triton.jit
+def _code_to_f32(code):
+    """Exact fp32 of small non-negative int32 codes without I2F.
+
+    NOTE: I2F issues at a quarter of the FMA rate on sm_90 and was one instruction per
+    element; ``bits(2**23 + code) - 2**23`` is a LOP3 and an FADD (SASS of the decode
+    kernel: 128 I2F per warp and 64-key tile -> 0).
+    """
+    return (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _dequant_channel_groups(
+    c_ptr,  # channel-packed codes of this (batch, head): [T//G, G*bits//8, D]
+    s_ptr,  # scale of this (batch, head): [T//G, D]
+    z_ptr,  # zero, same strides as scale
+    sc_0, sc_1, sc_2,  # codes strides: group, byte, channel
+    ss_0, ss_1,  # scale strides: group, channel
+    n0,  # first token of the tile, a multiple of GROUP
+    ch,  # [C] channel indices
+    ch_ok,  # [C] which channels exist
+    BITS: tl.constexpr,  # code width dividing 8
+    GROUP: tl.constexpr,  # G, a power of two dividing BLOCK_N
+    BLOCK_N: tl.constexpr,  # tokens in the tile
+):
+    """Fast path of :func:`_dequant_tile` for whole groups of per-channel codes.
+
+    Each byte is loaded once (contiguous along the channels) and split into its
+    ``8 // BITS`` codes in registers; scale and zero are loaded once per group row.
+    """
+    NGT: tl.constexpr = BLOCK_N // GROUP  # groups in the tile
+    GB: tl.constexpr = GROUP * BITS // 8  # bytes per channel and group
+    PER: tl.constexpr = 8 // BITS  # codes per byte
+    g = n0 // GROUP + tl.arange(0, NGT)
+    j = tl.arange(0, GB)
+    ok = ch_ok[None, None, :] & (j[None, :, None] >= 0)
+    ptr = c_ptr + g[:, None, None] * sc_0 + j[None, :, None] * sc_1 + ch[None, None, :] * sc_2
+    byts = tl.load(ptr, mask=ok, other=0).to(tl.int32)  # [NGT, GB, C]
+    sh = tl.arange(0, PER) * BITS
+    codes = (byts[:, :, None, :] >> sh[None, None, :, None]) & ((1 << BITS) - 1)
+    codes = tl.reshape(codes, [NGT, GROUP, ch.shape[0]])  # token = byte * PER + k
+    s_off = g[:, None] * ss_0 + ch[None, :] * ss_1
+    scale = tl.load(s_ptr + s_off, mask=ch_ok[None, :], other=0.0).to(tl.float32)
+    zero = tl.load(z_ptr + s_off, mask=ch_ok[None, :], other=0.0).to(tl.float32)
+    x = _code_to_f32(codes) * scale[:, None, :] + zero[:, None, :]
+    return tl.reshape(x, [BLOCK_N, ch.shape[0]])
+
+
+@triton.jit
+def _dequant_token_rows(
+    c_ptr,  # token-packed codes of this (batch, head): [T, D*bits//8]
+    s_ptr,  # scale of this (batch, head): [T, D//G]
+    z_ptr,  # zero, same strides as scale
+    sc_0, sc_1,  # codes strides: token, byte
+    ss_0, ss_1,  # scale strides: token, channel group
+    tok,  # [N] token indices
+    tok_ok,  # [N] which tokens exist
+    BITS: tl.constexpr,  # code width dividing 8
+    GROUP: tl.constexpr,  # G, a power of two dividing D
+    D: tl.constexpr,  # head dim, a power of two
+):
+    """Fast path of :func:`_dequant_tile` for whole rows of per-token codes: each byte is
+    loaded once and split in registers, scale and zero once per (token, group)."""
+    NG: tl.constexpr = D // GROUP  # groups per token
+    GBY: tl.constexpr = GROUP * BITS // 8  # bytes per group
+    PER: tl.constexpr = 8 // BITS
+    jg = tl.arange(0, NG)
+    by = tl.arange(0, GBY)
+    ok = tok_ok[:, None, None] & (jg[None, :, None] >= 0) & (by[None, None, :] >= 0)
+    ptr = c_ptr + tok[:, None, None] * sc_0 + (jg[None, :, None] * GBY + by[None, None, :]) * sc_1
+    byts = tl.load(ptr, mask=ok, other=0).to(tl.int32)  # [N, NG, GBY]
+    sh = tl.arange(0, PER) * BITS
+    codes = (byts[:, :, :, None] >> sh[None, None, None, :]) & ((1 << BITS) - 1)
+    codes = tl.reshape(codes, [tok.shape[0], NG, GROUP])  # channel = g*G + byte*PER + k
+    s_off = tok[:, None] * ss_0 + jg[None, :] * ss_1
+    s_ok = tok_ok[:, None] & (jg[None, :] >= 0)
+    scale = tl.load(s_ptr + s_off, mask=s_ok, other=0.0).to(tl.float32)
+    zero = tl.load(z_ptr + s_off, mask=s_ok, other=0.0).to(tl.float32)
+    x = _code_to_f32(codes) * scale[:, :, None] + zero[:, :, None]
+    return tl.reshape(x, [tok.shape[0], D])
+
+
+@triton.jit
+def _load_keys(
+    c_ptr, s_ptr, z_ptr,  # key codes, scale, zero of this (batch, head)
+    sc_0, sc_1, sc_2, ss_0, ss_1,  # their strides (see _dequant_tile)
+    n0,  # first token of the tile
+    tok,  # [N] token indices
+    tok_ok,  # [N] which tokens exist
+    ch,  # [C] channel indices
+    ch_ok,  # [C] which channels exist
+    BITS: tl.constexpr, GROUP: tl.constexpr, CHANNEL_AXIS: tl.constexpr,  # key policy
+    FAST: tl.constexpr,  # whole per-channel groups with BITS dividing 8 (host-checked)
+    BLOCK_N: tl.constexpr,  # tokens in the tile
+):
+    """Dequantized fp32 ``[N, C]`` key tile, by the fast path where the layout allows."""
+    if FAST and BLOCK_N % GROUP == 0:
+        x = _dequant_channel_groups(c_ptr, s_ptr, z_ptr, sc_0, sc_1, sc_2, ss_0, ss_1, n0,
+                                    ch, ch_ok, BITS, GROUP, BLOCK_N)
+    else:
+        x = _dequant_tile(c_ptr, s_ptr, z_ptr, sc_0, sc_1, sc_2, ss_0, ss_1, tok, ch,
+                          tok_ok[:, None] & ch_ok[None, :], BITS, GROUP, CHANNEL_AXIS)
     return x
 
 
@@ -167,6 +273,8 @@ def _packed_attention_kernel(
     DV: tl.constexpr,  # value head dim
     K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_CHANNEL: tl.constexpr,  # key policy
     V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_CHANNEL: tl.constexpr,  # value policy
+    K_FAST: tl.constexpr,  # keys per-channel, bits | 8, G a power of two (tiles of whole groups)
+    V_FAST: tl.constexpr,  # values per-token, bits | 8, G and DV powers of two
     ROPE: tl.constexpr,  # 0 none, 1 rotate_half, 2 interleaved
     ROT_DIM: tl.constexpr,  # rotary_dim (0 without RoPE); channels >= ROT_DIM pass through
     HAS_MASK: tl.constexpr,  # whether mask_ptr is read
@@ -240,10 +348,10 @@ def _packed_attention_kernel(
         s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if ROPE != 0:
             ok = tok_ok[:, None] & r_ok[None, :]
-            k_a = _dequant_tile(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, tok, ch_a, ok,
-                                K_BITS, K_GROUP, K_CHANNEL)
-            k_b = _dequant_tile(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, tok, ch_b, ok,
-                                K_BITS, K_GROUP, K_CHANNEL)
+            k_a = _load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, tok, tok_ok,
+                             ch_a, r_ok, K_BITS, K_GROUP, K_CHANNEL, K_FAST, BLOCK_N)
+            k_b = _load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, tok, tok_ok,
+                             ch_b, r_ok, K_BITS, K_GROUP, K_CHANNEL, K_FAST, BLOCK_N)
             # Both channels of a pair turn by the same angle (RotarySpec's table layout),
             # so one gather of the table at the first channel serves both.
             pos = tl.load(pos_ptr + b * sp_b + tok * sp_t, mask=tok_ok, other=0)
@@ -255,9 +363,8 @@ def _packed_attention_kernel(
             s += _qk(q_a, rot_a, DOT_F32)
             s += _qk(q_b, rot_b, DOT_F32)
         if HAS_PASS:
-            ok = tok_ok[:, None] & p_ok[None, :]
-            k_p = _dequant_tile(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, tok, ch_p, ok,
-                                K_BITS, K_GROUP, K_CHANNEL)
+            k_p = _load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, tok, tok_ok,
+                             ch_p, p_ok, K_BITS, K_GROUP, K_CHANNEL, K_FAST, BLOCK_N)
             s += _qk(q_p, k_p, DOT_F32)
         s = s * scale
         if HAS_MASK:
@@ -272,9 +379,12 @@ def _packed_attention_kernel(
         alpha = tl.exp(m_i - m_use)
         p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        ok = tok_ok[:, None] & v_ok[None, :]
-        v = _dequant_tile(vc, vs, vz, svc_0, svc_1, svc_2, svs_0, svs_1, tok, ch_v, ok,
-                          V_BITS, V_GROUP, V_CHANNEL)
+        if V_FAST:
+            v = _dequant_token_rows(vc, vs, vz, svc_0, svc_1, svs_0, svs_1, tok, tok_ok,
+                                    V_BITS, V_GROUP, DV)
+        else:
+            v = _dequant_tile(vc, vs, vz, svc_0, svc_1, svc_2, svs_0, svs_1, tok, ch_v,
+                              tok_ok[:, None] & v_ok[None, :], V_BITS, V_GROUP, V_CHANNEL)
         if DOT_F32:
             pv = tl.dot(p, v, input_precision="ieee")
         else:
@@ -361,6 +471,18 @@ def _packed_dims(p: Packed, spec: QuantSpec, what: str) -> tuple[int, int, int, 
         raise CacheError(f"{what}: scale {tuple(p.scale.shape)} and zero "
                          f"{tuple(p.zero.shape)} must be equal 4-D shapes")
     return b, h, t, d
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _fast_layout(spec: QuantSpec, axis: str, d: int) -> bool:
+    """Whether the byte-at-a-time path reads this tensor (see _dequant_channel_groups)."""
+    return (
+        spec.axis == axis and spec.bits in (1, 2, 4, 8) and _pow2(spec.group_size)
+        and (axis == "channel" or (_pow2(d) and spec.group_size <= d))
+    )
 
 
 def _inner_extent(t: torch.Tensor, first: int) -> int:
@@ -511,7 +633,9 @@ def packed_attention_partial(
         raise CacheError(f"num_splits={splits} must be >= 1")
     split_len = triton.cdiv(tk, splits)
     if splits > 1:
-        split_len = triton.cdiv(split_len, 16) * 16  # whole tiles of the smallest BLOCK_N
+        # Splits start on whole tiles of the smallest BLOCK_N and on key-group bounds.
+        align = 16 if k_spec.axis != "channel" else math.lcm(16, k_spec.group_size)
+        split_len = triton.cdiv(split_len, align) * align
     splits = triton.cdiv(tk, split_len)
 
     out = torch.empty((b, hq, tq, splits, dv), device=device, dtype=torch.float32)
@@ -528,6 +652,7 @@ def packed_attention_partial(
         GQA=gqa, DK=dk, DV=dv,
         K_BITS=k_spec.bits, K_GROUP=k_spec.group_size, K_CHANNEL=k_spec.axis == "channel",
         V_BITS=v_spec.bits, V_GROUP=v_spec.group_size, V_CHANNEL=v_spec.axis == "channel",
+        K_FAST=_fast_layout(k_spec, "channel", dk), V_FAST=_fast_layout(v_spec, "token", dv),
         ROPE=style, ROT_DIM=rot_dim, HAS_MASK=has_mask, DOT_F32=q.dtype == torch.float32,
         BLOCK_M=block_m,
         BLOCK_R=max(16, triton.next_power_of_2(max(rot_dim // 2, 1))),

@@ -99,6 +99,21 @@ def test_rope_styles(style, rotary_dim):
     _check(q, kp, vp, k_spec, v_spec, rope=rope, pos=None if rope is None else _positions(2, 32))
 
 
+@pytest.mark.parametrize(
+    "d, rotary_dim, group",
+    [(48, 32, 16), (32, 32, 32)],
+    ids=["head_dim48_partial", "group_longer_than_tile"],
+)
+def test_head_dims_and_group_sizes(d, rotary_dim, group):
+    # head_dim 48 is not a power of two (padded channel blocks, generic value path);
+    # G=32 is longer than the interpreter's 16-key tile (generic key path there).
+    k_spec = QuantSpec(bits=4, group_size=group, axis="channel")
+    v_spec = QuantSpec(bits=2, group_size=group, axis="token")
+    q, kp, vp = _case(1, 3, 1, 1, 64, d, k_spec, v_spec, seed=d)
+    _check(q, kp, vp, k_spec, v_spec, rope=_rope("rotate_half", rotary_dim),
+           pos=_positions(1, 64))
+
+
 @pytest.mark.parametrize("hq, hkv", [(6, 2), (4, 1)], ids=["gqa3", "mqa"])
 @pytest.mark.parametrize("tq", [1, 5])
 def test_heads_and_query_lengths(hq, hkv, tq):
