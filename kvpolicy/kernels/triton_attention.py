@@ -239,7 +239,7 @@ def _qk(q, k, DOT_F32: tl.constexpr):
 
 @triton.autotune(
     configs=_ATTENTION_CONFIGS,
-    key=["n_rows", "split_bucket", "K_BITS", "K_CHANNEL", "V_BITS", "V_CHANNEL", "ROPE", "DK"],
+    key=["rows_bucket", "split_bucket", "K_BITS", "K_CHANNEL", "V_BITS", "V_CHANNEL", "ROPE", "DK"],
     prune_configs_by={"early_config_prune": _keep_attention_config},
 )
 @triton.jit
@@ -258,6 +258,7 @@ def _packed_attention_kernel(
     kv_len,  # Tk, keys in the segment
     split_len,  # keys per split
     n_splits,  # S
+    rows_bucket,  # next_power_of_2(n_rows): an autotune key only (no re-tune per prompt)
     split_bucket,  # next_power_of_2(split_len): an autotune key only
     scale,  # softmax scale multiplying q·k
     sq_b, sq_h, sq_t, sq_d,  # q strides
@@ -642,7 +643,8 @@ def packed_attention_partial(
     lse = torch.empty((b, hq, tq, splits), device=device, dtype=torch.float32)
     _packed_attention_kernel[(b * hkv, m_blocks, splits)](
         q, k.codes, ks, kz, v.codes, vs, vz, pos, cos, sin, mask_t, out, lse,
-        hkv, n_rows, tq, tk, split_len, splits, triton.next_power_of_2(split_len), float(scale),
+        hkv, n_rows, tq, tk, split_len, splits,
+        triton.next_power_of_2(n_rows), triton.next_power_of_2(split_len), float(scale),
         *q.stride(),
         *kcs, *kss,
         *vcs, *vss,

@@ -87,7 +87,7 @@ def _round_to_bf16(x):
 
 @triton.autotune(
     configs=_QUANT_CONFIGS,
-    key=["n_lanes", "GROUP", "BITS"],
+    key=["lane_bucket", "GROUP", "BITS"],
     prune_configs_by={"early_config_prune": _keep_quant_config},
 )
 @triton.jit
@@ -98,6 +98,7 @@ def _quantize_pack_kernel(
     zero_ptr,  # out zero, same shape/strides as scale
     n_heads,  # H, to split program id 0 into (batch, head)
     n_lanes,  # lanes along the free axis (D for channel, T for token)
+    lane_bucket,  # next_power_of_2(n_lanes): an autotune key only (no re-tune per length)
     sx_b, sx_h,  # x strides of batch and head (elements)
     sx_e,  # x stride between consecutive elements of a group
     sx_l,  # x stride between consecutive lanes
@@ -242,7 +243,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
 
     _quantize_pack_kernel[grid](
         x, codes, scale, zero,
-        h, n_lanes,
+        h, n_lanes, triton.next_power_of_2(n_lanes),
         x.stride(0), x.stride(1), sx_e, sx_l,
         codes.stride(0), codes.stride(1), sc_n, sc_y, sc_l,
         scale.stride(0), scale.stride(1), ss_n, ss_l,
