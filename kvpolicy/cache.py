@@ -461,6 +461,10 @@ class PackedKVLayer:
         ns, npk = self.n_sinks, self._n_packed
         _, packed_attention = self._kernels(query.device)
         qf = query.float()
+        if npk and packed_attention is _torch_backend.packed_attention_partial:
+            out = self._attend_fused(qf, scale, mask)
+            if out is not None:
+                return out.to(query.dtype)
         parts = []
         if npk:
             pk, pv = self._packed()
@@ -492,6 +496,41 @@ class PackedKVLayer:
             )
         out = parts[0][0] if len(parts) == 1 else _ref.merge_partials(parts)
         return out.to(query.dtype)
+
+    def _fp_segment(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Sinks and residual window as one full-precision segment ``(k, v)``."""
+        fk = [t for t in (self._sink_k, self._res_k) if t is not None and t.shape[2]]
+        fv = [t for t in (self._sink_v, self._res_v) if t is not None and t.shape[2]]
+        if not fk:
+            return None, None
+        if len(fk) == 1:
+            return fk[0], fv[0]
+        return torch.cat(fk, dim=2), torch.cat(fv, dim=2)
+
+    def _attend_fused(
+        self, qf: torch.Tensor, scale: float, mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """All three segments in one C++ call (CPU torch backend); None if not covered."""
+        ns, npk = self.n_sinks, self._n_packed
+        pk, pv = self._packed()
+        fk, fv = self._fp_segment()
+        kpos = fpos = None
+        if self.rope is not None:
+            p = self._pos.view()
+            kpos = p[:, ns : ns + npk]
+            fpos = torch.cat((p[:, :ns], p[:, ns + npk :]), dim=1)
+        pmask = fmask = None
+        if mask is not None:
+            pmask = self._drop_if_open(mask[..., ns : ns + npk])
+            fmask = self._drop_if_open(
+                torch.cat((mask[..., :ns], mask[..., ns + npk :]), dim=-1)
+            )
+        got = _torch_backend.fused_attention(
+            qf, pk, pv, self.key_spec, self.value_spec, fk, fv,
+            scale=scale, mask=pmask, fp_mask=fmask, rope=self.rope,
+            k_positions=kpos, fp_positions=fpos,
+        )
+        return None if got is None else got[0]
 
     @staticmethod
     def _drop_if_open(mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -36,26 +36,34 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _SOURCE = r"""
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <thread>
 #include <vector>
-#include <algorithm>
 
 extern "C" {
 struct Params {
   int64_t B, Hkv, rep, Tq, Dk, Dv, Tk, Gk, Gv, chunk, nthreads;
-  const float* q;                       // [B, Hkv*rep, Tq, Dk] contiguous, pre-scaled
+  const float* q;                            // [B, Hkv*rep, Tq, Dk] contiguous, pre-scaled
+  // packed segment (Tk tokens, may be 0)
   const uint8_t* kc; int64_t kc_sb, kc_sh;   // [.., Tk/Gk, Gk*kb/8, Dk]
   const float* ks; int64_t ks_sb, ks_sh;     // [.., Tk/Gk, Dk]
   const float* kz; int64_t kz_sb, kz_sh;
   const uint8_t* vc; int64_t vc_sb, vc_sh;   // [.., Tk, Dv*vb/8]
   const float* vs; int64_t vs_sb, vs_sh;     // [.., Tk, Dv/Gv]
   const float* vz; int64_t vz_sb, vz_sh;
-  const float* mask; int64_t m0, m1, m2, m3; // additive, broadcast strides; may be null
+  const float* mask; int64_t m0, m1, m2, m3; // additive over Tk, broadcast strides; or null
   const int64_t* kpos; int64_t kpos_sb;      // [B, Tk]; null when no rope
+  // full-precision segment (Tf tokens, may be 0): sinks + residual window
+  int64_t Tf;
+  const float* fk; int64_t fk_sb, fk_sh;     // [.., Tf, Dk]
+  const float* fv; int64_t fv_sb, fv_sh;     // [.., Tf, Dv]
+  const float* fmask; int64_t f0, f1, f2, f3;
+  const int64_t* fpos; int64_t fpos_sb;      // [B, Tf]
+  // rotary tables
   const float* cosc; const float* sinc;      // [P, half]
   int64_t half, rope_style;                  // 0 none, 1 rotate_half, 2 interleaved
   float* out;                                // [B, Hq, Tq, Dv]
@@ -74,6 +82,7 @@ template <int BITS> struct Unit {
 };
 
 const float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int64_t Dk = KVP_DK, Dv = KVP_DV, Gk = KVP_GK, Gv = KVP_GV;
 
 // exp(x) for x <= 0 (and -inf), relative error ~2e-7, written so that gcc vectorises it.
 inline float exp_neg(float x) {
@@ -96,72 +105,82 @@ inline float exp_neg(float x) {
 
 struct Acc { float m, l; };
 
-// One work item: a chunk of tokens of one batch row, for every kv head (so the rope rows of
-// the chunk are read once and reused across heads from L1/L2).
-template <int KB, int VB>
-void run_item(const Params& P, int64_t b, int64_t c, Acc* stats, float* accs) {
+// Rotate nt key rows [nt][Dk] in place at positions pos[0..nt).
+inline void rope_rows(const Params& P, float* K, int64_t nt, const int64_t* pos) {
+  const int64_t half = P.half;
+  for (int64_t j = 0; j < nt; ++j) {
+    const float* cs = P.cosc + pos[j] * half;
+    const float* sn = P.sinc + pos[j] * half;
+    float* kr = K + j * Dk;
+    if (P.rope_style == 1) {
+      for (int64_t i = 0; i < half; ++i) {
+        const float x0 = kr[i], x1 = kr[i + half];
+        kr[i] = x0 * cs[i] - x1 * sn[i];
+        kr[i + half] = x1 * cs[i] + x0 * sn[i];
+      }
+    } else {
+      for (int64_t i = 0; i < half; ++i) {
+        const float x0 = kr[2 * i], x1 = kr[2 * i + 1];
+        kr[2 * i] = x0 * cs[i] - x1 * sn[i];
+        kr[2 * i + 1] = x1 * cs[i] + x0 * sn[i];
+      }
+    }
+  }
+}
+
+// One work item: tokens [t0, tn) of one segment (packed or full precision) of one batch
+// row, for every kv head (so the rotary rows of the chunk are reused across heads from L1/L2).
+// Writes per kv head and query row the chunk's softmax max/sum and unnormalised output.
+template <int KB, int VB, bool FP>
+void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, float* accs) {
   using KU = Unit<KB>;
   using VU = Unit<VB>;
-  const int64_t t0 = c * P.chunk;
-  const int64_t tn = std::min(P.Tk, t0 + P.chunk);
   const int64_t n = tn - t0;
   const int64_t R = P.rep * P.Tq;
-  constexpr int64_t Dk = KVP_DK, Dv = KVP_DV, Gk = KVP_GK, Gv = KVP_GV;
   const int64_t Hq = P.Hkv * P.rep;
   constexpr int64_t kbytes = Gk * KB / 8;
   constexpr int64_t vbytes = Dv * VB / 8, ngv = Dv / Gv;
-  constexpr int64_t nvu = Dv / VU::per;    // units per value row
+  constexpr int64_t nvu = Dv / VU::per;  // units per value row
   std::vector<float> S(R * n), accp(R * Dv);
   alignas(64) float K[Gk * Dk];
   alignas(64) uint32_t wrow[Dk];
+  const int64_t* pos = FP ? (P.fpos ? P.fpos + b * P.fpos_sb : nullptr)
+                          : (P.kpos ? P.kpos + b * P.kpos_sb : nullptr);
+  const float* mask = FP ? P.fmask : P.mask;
+  const int64_t ms0 = FP ? P.f0 : P.m0, ms1 = FP ? P.f1 : P.m1;
+  const int64_t ms2 = FP ? P.f2 : P.m2, ms3 = FP ? P.f3 : P.m3;
   for (int64_t h = 0; h < P.Hkv; ++h) {
     const float* q0 = P.q + (b * Hq + h * P.rep) * P.Tq * Dk;  // rows of this GQA group
-    // ---- keys: unpack Gk tokens x Dk channels into K [Gk][Dk] (vectorised over channels),
-    // rotate each token at its position, score against every row.
+    // ---- keys, Gk tokens at a time: a [nt][Dk] fp32 tile (unpacked from the codes, vectorised
+    // over channels, or copied), rotated at each token's position, scored against every row.
     for (int64_t g0 = t0; g0 < tn; g0 += Gk) {
-      const int64_t grp = g0 / Gk;
-      const uint8_t* codes = P.kc + b * P.kc_sb + h * P.kc_sh + grp * kbytes * Dk;
-      const float* sc = P.ks + b * P.ks_sb + h * P.ks_sh + grp * Dk;
-      const float* zc = P.kz + b * P.kz_sb + h * P.kz_sh + grp * Dk;
-      for (int u = 0; u < Gk / KU::per; ++u) {
-        const uint8_t* row = codes + (int64_t)u * KU::bytes * Dk;
-        for (int64_t d = 0; d < Dk; ++d) {
-          uint32_t w = row[d];
-          for (int j = 1; j < KU::bytes; ++j) w |= (uint32_t)row[j * Dk + d] << (8 * j);
-          wrow[d] = w;
-        }
-        for (int k = 0; k < KU::per; ++k) {
-          float* kr = K + (u * KU::per + k) * Dk;
-          for (int64_t d = 0; d < Dk; ++d)
-            kr[d] = (float)((wrow[d] >> (k * KB)) & KU::mask) * sc[d] + zc[d];
-        }
-      }
-      if (P.rope_style != 0) {
-        const int64_t half = P.half;
-        for (int64_t j = 0; j < Gk; ++j) {
-          const int64_t pos = P.kpos[b * P.kpos_sb + g0 + j];
-          const float* cs = P.cosc + pos * half;
-          const float* sn = P.sinc + pos * half;
-          float* kr = K + j * Dk;
-          if (P.rope_style == 1) {
-            for (int64_t i = 0; i < half; ++i) {
-              const float x0 = kr[i], x1 = kr[i + half];
-              kr[i] = x0 * cs[i] - x1 * sn[i];
-              kr[i + half] = x1 * cs[i] + x0 * sn[i];
-            }
-          } else {
-            for (int64_t i = 0; i < half; ++i) {
-              const float x0 = kr[2 * i], x1 = kr[2 * i + 1];
-              kr[2 * i] = x0 * cs[i] - x1 * sn[i];
-              kr[2 * i + 1] = x1 * cs[i] + x0 * sn[i];
-            }
+      const int64_t nt = std::min(Gk, tn - g0);
+      if (FP) {
+        std::memcpy(K, P.fk + b * P.fk_sb + h * P.fk_sh + g0 * Dk, sizeof(float) * nt * Dk);
+      } else {
+        const int64_t grp = g0 / Gk;
+        const uint8_t* codes = P.kc + b * P.kc_sb + h * P.kc_sh + grp * kbytes * Dk;
+        const float* sc = P.ks + b * P.ks_sb + h * P.ks_sh + grp * Dk;
+        const float* zc = P.kz + b * P.kz_sb + h * P.kz_sh + grp * Dk;
+        for (int u = 0; u < Gk / KU::per; ++u) {
+          const uint8_t* row = codes + (int64_t)u * KU::bytes * Dk;
+          for (int64_t d = 0; d < Dk; ++d) {
+            uint32_t w = row[d];
+            for (int j = 1; j < KU::bytes; ++j) w |= (uint32_t)row[j * Dk + d] << (8 * j);
+            wrow[d] = w;
+          }
+          for (int k = 0; k < KU::per; ++k) {
+            float* kr = K + (u * KU::per + k) * Dk;
+            for (int64_t d = 0; d < Dk; ++d)
+              kr[d] = (float)((wrow[d] >> (k * KB)) & KU::mask) * sc[d] + zc[d];
           }
         }
       }
+      if (P.rope_style != 0) rope_rows(P, K, nt, pos + g0);
       for (int64_t r = 0; r < R; ++r) {
         const float* qr = q0 + r * Dk;
         float* sr = S.data() + r * n + (g0 - t0);
-        for (int64_t j = 0; j < Gk; ++j) {
+        for (int64_t j = 0; j < nt; ++j) {
           const float* kr = K + j * Dk;
           float acc = 0.f;
           for (int64_t d = 0; d < Dk; ++d) acc += qr[d] * kr[d];
@@ -173,10 +192,10 @@ void run_item(const Params& P, int64_t b, int64_t c, Acc* stats, float* accs) {
     Acc* st = stats + h * R;
     for (int64_t r = 0; r < R; ++r) {
       float* sr = S.data() + r * n;
-      if (P.mask) {
+      if (mask) {
         const int64_t hq = h * P.rep + r / P.Tq, i = r % P.Tq;
-        const float* mr = P.mask + b * P.m0 + hq * P.m1 + i * P.m2;
-        for (int64_t t = 0; t < n; ++t) sr[t] += mr[(t0 + t) * P.m3];
+        const float* mr = mask + b * ms0 + hq * ms1 + i * ms2;
+        for (int64_t t = 0; t < n; ++t) sr[t] += mr[(t0 + t) * ms3];
       }
       float m = NEG_INF;
       for (int64_t t = 0; t < n; ++t) m = std::max(m, sr[t]);
@@ -190,47 +209,44 @@ void run_item(const Params& P, int64_t b, int64_t c, Acc* stats, float* accs) {
       for (int64_t t = 0; t < n; ++t) { const float p = exp_neg(sr[t] - m); sr[t] = p; l += p; }
       st[r].l = l;
     }
-    // ---- values: dequantize one token row (Dv channels, L1) and add p * row to every query
-    // row. NOTE: 1-thread 8K decode, SmolLM2 shapes: folding s_t into p (unit-major
-    // accumulators, DESIGN.md §4) measured 1.4-3.2 ms for this pass, dequantize-then-axpy
-    // 0.7 ms, a 256-entry byte lookup table the same 0.7 ms: with 3 query rows per kv head
-    // the fold saves nothing and costs vectorisation.
+    // ---- values: dequantize TB token rows (L1) and add p * row to every query row.
+    // NOTE: 1 thread, 8K-token decode, SmolLM2 shapes, this pass: folding s_t into p with
+    // unit-major accumulators (DESIGN.md §4) 1.4-3.2 ms; dequantize-then-axpy one token at a
+    // time 0.85 ms (a 256-entry byte lookup table: the same); blocks of TB=8 tokens, which
+    // keep each row's accumulator in registers, ~0.45 ms. With 3 query rows per kv head
+    // the fold saves almost nothing and costs vectorisation.
     std::fill(accp.begin(), accp.end(), 0.f);
-    const uint8_t* vcb = P.vc + b * P.vc_sb + h * P.vc_sh;
-    const float* vsb = P.vs + b * P.vs_sb + h * P.vs_sh;
-    const float* vzb = P.vz + b * P.vz_sb + h * P.vz_sh;
-    // NOTE: blocks of TB tokens keep each row's accumulator in registers across the block:
-    // 0.85 -> see bench for the measured gain (1 token at a time reloaded it per token).
     constexpr int64_t TB = 8;
     alignas(64) float vblk[TB][Dv];
-    std::vector<float> pblk(R * TB);
+    float pblk[TB];
     for (int64_t tb = t0; tb < tn; tb += TB) {
       const int64_t nb = std::min<int64_t>(TB, tn - tb);
       for (int64_t tt = 0; tt < TB; ++tt) {
         float* vrow = vblk[tt];
         if (tt >= nb) { std::fill(vrow, vrow + Dv, 0.f); continue; }
         const int64_t t = tb + tt;
-        const uint8_t* row = vcb + t * vbytes;
+        if (FP) {
+          std::memcpy(vrow, P.fv + b * P.fv_sb + h * P.fv_sh + t * Dv, sizeof(float) * Dv);
+          continue;
+        }
+        const uint8_t* row = P.vc + b * P.vc_sb + h * P.vc_sh + t * vbytes;
         for (int64_t u = 0; u < nvu; ++u) {
           uint32_t w = row[u * VU::bytes];
           for (int j = 1; j < VU::bytes; ++j) w |= (uint32_t)row[u * VU::bytes + j] << (8 * j);
           for (int k = 0; k < VU::per; ++k)
             vrow[u * VU::per + k] = (float)((w >> (k * VB)) & VU::mask);
         }
-        const float* stt = vsb + t * ngv;
-        const float* ztt = vzb + t * ngv;
+        const float* stt = P.vs + b * P.vs_sb + h * P.vs_sh + t * ngv;
+        const float* ztt = P.vz + b * P.vz_sb + h * P.vz_sh + t * ngv;
         for (int64_t g = 0; g < ngv; ++g)
           for (int64_t e = 0; e < Gv; ++e) vrow[g * Gv + e] = vrow[g * Gv + e] * stt[g] + ztt[g];
       }
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t tt = 0; tt < TB; ++tt)
-          pblk[r * TB + tt] = tt < nb ? S[r * n + (tb - t0) + tt] : 0.f;
       for (int64_t r = 0; r < R; ++r) {
-        const float* pr = pblk.data() + r * TB;
+        for (int64_t tt = 0; tt < TB; ++tt) pblk[tt] = tt < nb ? S[r * n + (tb - t0) + tt] : 0.f;
         float* ar = accp.data() + r * Dv;
         for (int64_t c = 0; c < Dv; ++c) {
           float a = ar[c];
-          for (int64_t tt = 0; tt < TB; ++tt) a += pr[tt] * vblk[tt][c];
+          for (int64_t tt = 0; tt < TB; ++tt) a += pblk[tt] * vblk[tt][c];
           ar[c] = a;
         }
       }
@@ -241,37 +257,47 @@ void run_item(const Params& P, int64_t b, int64_t c, Acc* stats, float* accs) {
 
 template <int KB, int VB>
 void run(const Params& P) {
-  const int64_t nchunks = (P.Tk + P.chunk - 1) / P.chunk;
-  const int64_t items = P.B * nchunks;
-  const int64_t R = P.rep * P.Tq, Dv = KVP_DV, Hq = P.Hkv * P.rep;
+  const int64_t npk = (P.Tk + P.chunk - 1) / P.chunk;  // packed chunks per batch row
+  const int64_t nfp = (P.Tf + P.chunk - 1) / P.chunk;  // full-precision chunks per row
+  const int64_t per_b = npk + nfp;
+  const int64_t items = P.B * per_b;
+  const int64_t R = P.rep * P.Tq, Hq = P.Hkv * P.rep;
   // per item: stats [Hkv][R], accs [Hkv][R][Dv]
   std::vector<Acc> stats(items * P.Hkv * R);
   std::vector<float> accs(items * P.Hkv * R * Dv);
   auto worker = [&](int64_t first, int64_t stride) {
-    for (int64_t it = first; it < items; it += stride)
-      run_item<KB, VB>(P, it / nchunks, it % nchunks, stats.data() + it * P.Hkv * R,
-                       accs.data() + it * P.Hkv * R * Dv);
+    for (int64_t it = first; it < items; it += stride) {
+      const int64_t b = it / per_b, c = it % per_b;
+      Acc* st = stats.data() + it * P.Hkv * R;
+      float* ac = accs.data() + it * P.Hkv * R * Dv;
+      if (c < npk) {
+        run_item<KB, VB, false>(P, b, c * P.chunk, std::min(P.Tk, (c + 1) * P.chunk), st, ac);
+      } else {
+        const int64_t f = c - npk;
+        run_item<KB, VB, true>(P, b, f * P.chunk, std::min(P.Tf, (f + 1) * P.chunk), st, ac);
+      }
+    }
   };
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(P.nthreads, items));
   std::vector<std::thread> pool;
   for (int64_t i = 1; i < nt; ++i) pool.emplace_back(worker, i, nt);
   worker(0, nt);
   for (auto& th : pool) th.join();
-  // ---- log-sum-exp merge of the chunks
+  // ---- log-sum-exp merge of every chunk of both segments
   for (int64_t b = 0; b < P.B; ++b)
     for (int64_t h = 0; h < P.Hkv; ++h)
       for (int64_t r = 0; r < R; ++r) {
         float M = NEG_INF;
-        for (int64_t c = 0; c < nchunks; ++c)
-          M = std::max(M, stats[((b * nchunks + c) * P.Hkv + h) * R + r].m);
+        for (int64_t c = 0; c < per_b; ++c)
+          M = std::max(M, stats[((b * per_b + c) * P.Hkv + h) * R + r].m);
         const int64_t hq = h * P.rep + r / P.Tq, i = r % P.Tq;
         float* o = P.out + ((b * Hq + hq) * P.Tq + i) * Dv;
         float* lse = P.lse + (b * Hq + hq) * P.Tq + i;
         std::memset(o, 0, sizeof(float) * Dv);
         if (M == NEG_INF) { *lse = NEG_INF; continue; }
         float L = 0.f;
-        for (int64_t c = 0; c < nchunks; ++c) {
-          const int64_t idx = ((b * nchunks + c) * P.Hkv + h) * R + r;
+        for (int64_t c = 0; c < per_b; ++c) {
+          const int64_t idx = ((b * per_b + c) * P.Hkv + h) * R + r;
           if (stats[idx].m == NEG_INF) continue;
           const float w = std::exp(stats[idx].m - M);
           L += w * stats[idx].l;
@@ -322,6 +348,12 @@ class Params(ctypes.Structure):
         ("mask", ctypes.c_void_p), ("m0", ctypes.c_int64), ("m1", ctypes.c_int64),
         ("m2", ctypes.c_int64), ("m3", ctypes.c_int64),
         ("kpos", ctypes.c_void_p), ("kpos_sb", ctypes.c_int64),
+        ("Tf", ctypes.c_int64),
+        ("fk", ctypes.c_void_p), ("fk_sb", ctypes.c_int64), ("fk_sh", ctypes.c_int64),
+        ("fv", ctypes.c_void_p), ("fv_sb", ctypes.c_int64), ("fv_sh", ctypes.c_int64),
+        ("fmask", ctypes.c_void_p), ("f0", ctypes.c_int64), ("f1", ctypes.c_int64),
+        ("f2", ctypes.c_int64), ("f3", ctypes.c_int64),
+        ("fpos", ctypes.c_void_p), ("fpos_sb", ctypes.c_int64),
         ("cosc", ctypes.c_void_p), ("sinc", ctypes.c_void_p),
         ("half", ctypes.c_int64), ("rope_style", ctypes.c_int64),
         ("out", ctypes.c_void_p), ("lse", ctypes.c_void_p),

@@ -24,7 +24,13 @@ from . import _cpu_ext
 from . import reference as _ref
 from .layout import Packed, QuantSpec, RotarySpec
 
-__all__ = ["quantize", "dequantize", "attention_partial", "packed_attention_partial"]
+__all__ = [
+    "quantize",
+    "dequantize",
+    "attention_partial",
+    "packed_attention_partial",
+    "fused_attention",
+]
 
 log = logging.getLogger(__name__)
 
@@ -190,25 +196,64 @@ def packed_attention_partial(
     """
     if rope is not None and k_positions is None:
         raise CacheError("pre-RoPE keys need k_positions [B, Tk]")
-    if _cpp_supported(q, k, k_spec, v_spec, rope):
-        dv = v.codes.shape[-1] * 8 // v_spec.bits
-        lib = _cpu_ext.load(k_spec.bits, v_spec.bits, k_spec.group_size, v_spec.group_size,
-                            q.shape[-1], dv)
-        if lib is not None:
-            return _cpp_packed_attention(lib, q, k, v, k_spec, v_spec, scale, mask, rope,
-                                         k_positions)
+    got = fused_attention(
+        q, k, v, k_spec, v_spec, None, None,
+        scale=scale, mask=mask, rope=rope, k_positions=k_positions,
+    )
+    if got is not None:
+        return got
     return _eager_packed_attention(q, k, v, k_spec, v_spec, scale, mask, rope, k_positions)
+
+
+def fused_attention(
+    q: torch.Tensor,
+    k: Packed,
+    v: Packed,
+    k_spec: QuantSpec,
+    v_spec: QuantSpec,
+    fk: torch.Tensor | None,
+    fv: torch.Tensor | None,
+    *,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    fp_mask: torch.Tensor | None = None,
+    rope: RotarySpec | None = None,
+    k_positions: torch.Tensor | None = None,
+    fp_positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One softmax over a packed segment and a full-precision segment, in one C++ call.
+
+    The cache's decode step: packed groups plus sinks and residual window (``fk``/``fv``
+    ``[B, Hkv, Tf, D]``, keys pre-RoPE at ``fp_positions [B, Tf]`` when ``rope`` is set;
+    ``fp_mask`` over those ``Tf`` columns). Returns ``(out, lse)`` as
+    :func:`packed_attention_partial` over the union of both segments, or ``None`` when the
+    C++ kernel does not cover these inputs (the caller then runs the segments separately).
+
+    NOTE: measured 8K-token decode, SmolLM2 shapes, 1 thread: the packed kernel alone 1.0
+    ms, plus the full-precision segment in eager torch (rope, matmuls, LSE merge) 1.9 ms in
+    all; folding the ~160 full-precision tokens into the same call removes that overhead.
+    """
+    if not _cpp_supported(q, k, k_spec, v_spec, rope):
+        return None
+    dv = v.codes.shape[-1] * 8 // v_spec.bits
+    if fv is not None and fv.shape[-1] != dv:
+        return None
+    lib = _cpu_ext.load(k_spec.bits, v_spec.bits, k_spec.group_size, v_spec.group_size,
+                        q.shape[-1], dv)
+    if lib is None:
+        return None
+    return _cpp_attention(lib, q, k, v, k_spec, v_spec, fk, fv, scale, mask, fp_mask, rope,
+                          k_positions, fp_positions)
 
 
 # --------------------------------------------------------------------------- C++ path
 
 _CPP_BITS = (1, 2, 3, 4, 8)
-# NOTE: tokens per parallel work item. Measured (8K tokens, SmolLM2 shapes, 2 threads):
-# see bench/cpu_attention.py; 512 keeps the per-item score buffer in L1/L2 and still
-# gives 3 heads x 16 items to balance across threads.
+# NOTE: tokens per parallel work item (all kv heads of one batch row). 512 keeps the
+# per-item score buffer small and gives 16 items at 8K tokens to balance over the threads.
 _CHUNK_TOKENS = 512
-# NOTE: above this many query rows per kv head the eager dequantize + matmul path wins
-# (prefill); the fused kernel's scalar-per-row dot products are made for decode.
+# NOTE: above this many query rows per kv head the eager dequantize + matmul path is
+# meant to take over (prefill); the fused kernel's per-row dot products are made for decode.
 _CPP_MAX_ROWS = 48
 
 _rope_tables: weakref.WeakKeyDictionary[RotarySpec, tuple[torch.Tensor, torch.Tensor]] = (
@@ -244,36 +289,52 @@ def _cpp_supported(
         and v_spec.axis == "token"
         and k_spec.bits in _CPP_BITS
         and v_spec.bits in _CPP_BITS
-        and (rope is None or rope.style in ("rotate_half", "interleaved"))
+        and (
+            rope is None
+            or (rope.style in ("rotate_half", "interleaved") and rope.rotary_dim % 2 == 0
+                and rope.rotary_dim <= q.shape[-1])
+        )
     )
 
 
 def _bh(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """``t`` with each ``[b, h]`` slab contiguous, and its batch and head strides."""
-    inner = t.shape[2:]
     want = 1
-    ok = True
-    for size, stride in zip(reversed(inner), reversed(t.stride()[2:]), strict=True):
+    for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:]), strict=True):
         if size != 1 and stride != want:
-            ok = False
+            t = t.contiguous()
             break
         want *= size
-    if not ok:
-        t = t.contiguous()
     return t, t.stride(0), t.stride(1)
 
 
-def _cpp_packed_attention(
+def _positions(pos: torch.Tensor | None, b: int, t: int, rope: RotarySpec) -> torch.Tensor:
+    if pos is None:
+        raise CacheError("pre-RoPE keys need positions [B, Tk]")
+    pos = pos.to(torch.int64).contiguous()
+    if pos.shape != (b, t):
+        raise CacheError(f"positions must be [B, Tk] = {(b, t)}, got {tuple(pos.shape)}")
+    # The kernel indexes the table with these: check, never read out of bounds.
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= rope.max_positions):
+        raise CacheError(f"positions exceed the rotary table ({rope.max_positions} rows)")
+    return pos
+
+
+def _cpp_attention(
     lib: Any,
     q: torch.Tensor,
     k: Packed,
     v: Packed,
     k_spec: QuantSpec,
     v_spec: QuantSpec,
+    fk: torch.Tensor | None,
+    fv: torch.Tensor | None,
     scale: float,
     mask: torch.Tensor | None,
+    fp_mask: torch.Tensor | None,
     rope: RotarySpec | None,
     k_positions: torch.Tensor | None,
+    fp_positions: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, hq, tq, dk = q.shape
     kc, ks, kz = k
@@ -281,10 +342,12 @@ def _cpp_packed_attention(
     hkv = kc.shape[1]
     tk = kc.shape[2] * k_spec.group_size
     dv = vc.shape[3] * 8 // v_spec.bits
-    if hkv == 0 or hq % hkv:
-        raise CacheError(f"{hq} query heads are not a multiple of {hkv} kv heads")
-    if vc.shape[2] != tk:
-        raise CacheError(f"key segment holds {tk} tokens but value segment {vc.shape[2]}")
+    if kc.shape[0] != b or vc.shape[:2] != kc.shape[:2] or vc.shape[2] != tk:
+        raise CacheError(
+            f"packed key codes {tuple(kc.shape)} and value codes {tuple(vc.shape)} do not "
+            f"describe the same [B={b}, Hkv, Tk] segment"
+        )
+    keep: list[torch.Tensor] = []  # everything whose pointer the kernel reads stays alive
     qs = (q.float() * scale).contiguous()
     kc, kc_sb, kc_sh = _bh(kc)
     ks, ks_sb, ks_sh = _bh(ks.float())
@@ -292,6 +355,7 @@ def _cpp_packed_attention(
     vc, vc_sb, vc_sh = _bh(vc)
     vs, vs_sb, vs_sh = _bh(vs.float())
     vz, vz_sb, vz_sh = _bh(vz.float())
+    keep += [qs, kc, ks, kz, vc, vs, vz]
     out = torch.empty(b, hq, tq, dv)
     lse = torch.empty(b, hq, tq)
     p = _cpu_ext.Params(
@@ -310,21 +374,39 @@ def _cpp_packed_attention(
     )
     if mask is not None:
         mf = mask.float().expand(b, hq, tq, tk)
+        keep.append(mf)
         p.mask = mf.data_ptr()
         p.m0, p.m1, p.m2, p.m3 = mf.stride()
-    if rope is not None:
-        assert k_positions is not None
-        pos = k_positions.to(torch.int64).contiguous()
-        if pos.shape != (b, tk):
-            raise CacheError(f"k_positions must be [B, Tk] = {(b, tk)}, got {tuple(pos.shape)}")
-        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= rope.max_positions):
+    if fk is not None and fv is not None and fk.shape[2] > 0:
+        tf = fk.shape[2]
+        if fk.shape[:2] != (b, hkv) or fv.shape[:3] != fk.shape[:3] or fk.shape[3] != dk:
             raise CacheError(
-                f"k_positions exceed the rotary table ({rope.max_positions} rows)"
+                f"full-precision keys {tuple(fk.shape)} / values {tuple(fv.shape)} do not "
+                f"match the packed segment [B={b}, Hkv={hkv}, *, D]"
             )
+        fk32, fk_sb, fk_sh = _bh(fk.float())
+        fv32, fv_sb, fv_sh = _bh(fv.float())
+        keep += [fk32, fv32]
+        p.Tf = tf
+        p.fk, p.fk_sb, p.fk_sh = fk32.data_ptr(), fk_sb, fk_sh
+        p.fv, p.fv_sb, p.fv_sh = fv32.data_ptr(), fv_sb, fv_sh
+        if fp_mask is not None:
+            fm = fp_mask.float().expand(b, hq, tq, tf)
+            keep.append(fm)
+            p.fmask = fm.data_ptr()
+            p.f0, p.f1, p.f2, p.f3 = fm.stride()
+        if rope is not None:
+            fpos = _positions(fp_positions, b, tf, rope)
+            keep.append(fpos)
+            p.fpos, p.fpos_sb = fpos.data_ptr(), fpos.stride(0)
+    if rope is not None:
+        kpos = _positions(k_positions, b, tk, rope)
         cos, sin = _compact_rope(rope)
-        p.kpos, p.kpos_sb = pos.data_ptr(), pos.stride(0)
+        keep += [kpos, cos, sin]
+        p.kpos, p.kpos_sb = kpos.data_ptr(), kpos.stride(0)
         p.cosc, p.sinc = cos.data_ptr(), sin.data_ptr()
         p.half, p.rope_style = rope.rotary_dim // 2, 1 if rope.style == "rotate_half" else 2
     if lib.kvp_packed_attention(ctypes.byref(p), k_spec.bits, v_spec.bits) != 0:
-        raise CacheError(f"CPU kernel has no instance for {k_spec.bits}/{v_spec.bits} bits")
+        raise CacheError(f"CPU kernel was built for another spec than {k_spec}/{v_spec}")
+    del keep
     return out, lse
