@@ -14,6 +14,11 @@ GQA ratio. Pre-RoPE keys are read as two channel sets that a rotation pairs (``i
 channels ``>= r``; the score is the sum of three dot products, so every code is read
 once and no register shuffle is needed.
 
+Two ways to read a tile: a generic gather (any bits, either axis, any group size: one
+load per element for the code, scale and zero) and byte-at-a-time fast paths for the
+common layouts (per-channel keys in whole groups, per-token values; bits 1, 2, 4, 8 and
+power-of-two groups) that load each byte once and each scale once per group.
+
 Long caches are split over the key axis (flash-decoding): each split writes its own
 normalised output and log-sum-exp, and a second kernel merges the splits exactly like
 :func:`kvpolicy.kernels.reference.merge_partials_lse`.
@@ -50,24 +55,32 @@ _INTERPRET = _interpreting()
 
 
 def _keep_attention_config(configs, named_args, **kwargs):
-    """Prune filter: no key block longer than a split, none too large for registers."""
+    """Prune filter: no key tile longer than a split, none that spills registers."""
     split = max(16, triton.next_power_of_2(named_args["split_len"]))
-    # Channels held per key tile; constexpr kwargs reach the filter from triton 3.3 on.
+    # Channels held per key tile. Triton 3.6 and 3.9 pass the constexpr kwargs here;
+    # where a version does not, only the split bound applies.
     width = 2 * kwargs.get("BLOCK_R", 0) * int(kwargs.get("ROPE", 0) != 0)
-    width += kwargs.get("BLOCK_P", 0) + kwargs.get("BLOCK_DV", 0)
+    width += kwargs.get("BLOCK_P", 0) * int(kwargs.get("DK", 0) > kwargs.get("ROT_DIM", 0))
+    width += kwargs.get("BLOCK_DV", 0)
+    # NOTE: sm_90 AOT compile of the 2-bit decode kernel, head_dim 128: 136 tile elements
+    # per thread use 204-235 registers without spills; 272 (128 keys, 4 warps) spill.
     kept = [
         c
         for c in configs
-        if c.kwargs["BLOCK_N"] <= split and c.kwargs["BLOCK_N"] * width <= 128 * 384
+        if c.kwargs["BLOCK_N"] <= split
+        and c.kwargs["BLOCK_N"] * width <= 160 * 32 * c.num_warps
     ]
     return kept or configs[:1]
 
 
-# NOTE: decode is bound by the packed bytes it reads; the tile length along the keys and
-# the warps per program are left to the autotuner (keyed on the query rows, the split
-# length bucket and the policy). No GPU was available when this was written: the list
-# is deliberately small so that tuning stays within seconds per shape. Under the
-# interpreter a single config is kept (tuning there would time the interpreter).
+# NOTE: no GPU was available when this was written, so the tile length along the keys
+# and the warps per program are left to the autotuner (keyed on buckets of the query
+# rows and split length, and on the policy). What was measured is static: an sm_90 AOT
+# compile of the decode shape (32q/8kv heads, head_dim 128, 2-bit) has no register
+# spills for any config below, and its loop costs ~4K thread-instructions per key, so
+# the kernel is likely issue-bound rather than bound by the packed bytes. The list is
+# small so that tuning stays within seconds per shape. Under the interpreter a single
+# config is kept (tuning there would time the interpreter).
 _ATTENTION_CONFIGS = [
     triton.Config({"BLOCK_N": bn}, num_warps=nw, num_stages=ns)
     for bn in (32, 64, 128)
@@ -438,13 +451,13 @@ def _sm_count(index: int) -> int:
 
 
 def _choose_splits(q: torch.Tensor, programs: int, tk: int) -> int:
-    """Splits of the key axis: enough programs for two waves, >= 512 keys per split."""
+    """Splits of the key axis: enough programs for two waves, >= 256 keys per split."""
     if q.device.type != "cuda":
         return 1
-    # NOTE: not yet measured (no GPU when written): two waves of programs and at least
-    # 512 keys per split follow flash-decoding; bench/gpu_attention.py shows the result.
+    # NOTE: not measured (no GPU when written): two waves of programs and at least 256
+    # keys per split follow flash-decoding; bench/gpu_attention.py shows the result.
     want = triton.cdiv(2 * _sm_count(q.device.index or 0), max(programs, 1))
-    return max(1, min(want, triton.cdiv(tk, 512)))
+    return max(1, min(want, triton.cdiv(tk, 256)))
 
 
 def _packed_dims(p: Packed, spec: QuantSpec, what: str) -> tuple[int, int, int, int]:
