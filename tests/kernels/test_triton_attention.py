@@ -201,6 +201,36 @@ def test_half_precision_scales_and_strided_segment():
     _check(q, kp, vp, k_spec, v_spec)
 
 
+_BF16_DOT = pytest.mark.skipif(
+    ta._INTERPRET,
+    reason="the Triton interpreter multiplies bf16 bit patterns in tl.dot (triton#11584)",
+)
+
+
+@pytest.mark.parametrize(
+    "dtype, atol",
+    [(torch.float16, 5e-3), pytest.param(torch.bfloat16, 3e-2, marks=_BF16_DOT)],
+    ids=["fp16", "bf16"],
+)
+def test_half_precision_queries(dtype, atol):
+    # The GPU path: half-precision queries, dots in q's dtype with fp32 accumulation;
+    # the tolerance is the rounding of q, the dequantized keys and p to that dtype.
+    k_spec = QuantSpec(bits=2, group_size=16, axis="channel")
+    v_spec = QuantSpec(bits=2, group_size=16, axis="token")
+    q, kp, vp = _case(1, 4, 2, 1, 32, 32, k_spec, v_spec, seed=41)
+    q = q.to(dtype)
+    kp = type(kp)(kp.codes, kp.scale.to(dtype), kp.zero.to(dtype))
+    vp = type(vp)(vp.codes, vp.scale.to(dtype), vp.zero.to(dtype))
+    rope, pos = _rope("rotate_half", 32), _positions(1, 32)
+    out, lse = ta.packed_attention_partial(q, kp, vp, k_spec, v_spec, scale=0.2, rope=rope,
+                                           k_positions=pos)
+    want, want_lse = ref.packed_attention_partial(q, kp, vp, k_spec, v_spec, scale=0.2,
+                                                  rope=rope, k_positions=pos)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.cpu(), want.cpu(), atol=atol, rtol=atol)
+    torch.testing.assert_close(lse.cpu(), want_lse.cpu(), atol=atol, rtol=atol)
+
+
 def test_errors_name_the_problem():
     k_spec = QuantSpec(bits=2, group_size=16, axis="channel")
     v_spec = QuantSpec(bits=2, group_size=16, axis="token")
