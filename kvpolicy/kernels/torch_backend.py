@@ -238,8 +238,9 @@ def fused_attention(
     dv = v.codes.shape[-1] * 8 // v_spec.bits
     if fv is not None and fv.shape[-1] != dv:
         return None
+    half = 0 if rope is None else rope.rotary_dim // 2
     lib = _cpu_ext.load(k_spec.bits, v_spec.bits, k_spec.group_size, v_spec.group_size,
-                        q.shape[-1], dv)
+                        q.shape[-1], dv, half)
     if lib is None:
         return None
     return _cpp_attention(lib, q, k, v, k_spec, v_spec, fk, fv, scale, mask, fp_mask, rope,

@@ -1,0 +1,106 @@
+"""CPU time of one decode-attention step: packed 2-bit cache vs SDPA over fp32 / bf16 caches.
+
+SmolLM2 shapes: 9 query heads, 3 kv heads, head_dim 64, one query token. The packed cache
+is a :class:`PackedKVLayer` (keys per-channel pre-RoPE, values per-token, 2 bits, G=32,
+R=128, 4 sinks) on the torch backend, timed through ``attend`` (the whole step: sinks,
+packed groups and residual in one softmax, keys rotated at their positions). SDPA runs
+over plain caches with ``enable_gqa=True`` (keys already rotated). All methods are timed
+in one run with their repetitions interleaved; the table shows medians.
+
+    .venv/bin/python bench/cpu_attention.py [--threads 2] [--tokens 1024 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kvpolicy.cache import PackedKVLayer
+from kvpolicy.kernels import _cpu_ext
+from kvpolicy.kernels.layout import QuantSpec, RotarySpec
+
+HQ, HKV, D = 9, 3, 64
+
+
+def rotary(max_positions: int) -> RotarySpec:
+    inv = 1.0 / 1e5 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv[None]
+    ang = torch.cat((ang, ang), dim=-1)
+    return RotarySpec("rotate_half", D, ang.cos().float(), ang.sin().float())
+
+
+def methods(tokens: int, rope: RotarySpec, bits: int) -> dict[str, Callable[[], object]]:
+    g = torch.Generator().manual_seed(tokens)
+    k = torch.randn(1, HKV, tokens, D, generator=g)
+    v = torch.randn(1, HKV, tokens, D, generator=g)
+    q = torch.randn(1, HQ, 1, D, generator=g)
+    layer = PackedKVLayer(
+        QuantSpec(bits, 32, "channel"), QuantSpec(bits, 32, "token"),
+        residual=128, sinks=4, rope=rope, backend="torch",
+    )
+    layer.append(k, v)
+    kb, vb, qb = k.bfloat16(), v.bfloat16(), q.bfloat16()
+    return {
+        f"packed {bits}-bit": lambda: layer.attend(q),
+        "SDPA fp32": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        "SDPA bf16": lambda: F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True),
+    }
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], budget_s: float) -> dict[str, float]:
+    """Median seconds per call; repetitions of the methods alternate."""
+    for fn in fns.values():  # warm-up (and first-use kernel build)
+        fn()
+        fn()
+    start = time.perf_counter()
+    for fn in fns.values():
+        fn()
+    once = time.perf_counter() - start
+    reps = int(min(60, max(9, budget_s / max(once, 1e-6))))
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+",
+                        default=[1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--bits", type=int, default=2)
+    parser.add_argument("--budget", type=float, default=3.0, help="seconds per size")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rope = rotary(max(args.tokens) + 1)
+    native = _cpu_ext.load(args.bits, args.bits, 32, 32, D, D, D // 2) is not None
+    print(f"torch {torch.__version__}, {args.threads} threads, load average "
+          f"{os.getloadavg()[0]:.2f}, C++ kernel: {'yes' if native else 'no (eager path)'}")
+    rows = []
+    for t in args.tokens:
+        med = time_interleaved(methods(t, rope, args.bits), args.budget)
+        rows.append((t, med))
+    names = list(rows[0][1])
+    packed = names[0]
+    head = f"{'tokens':>7} " + " ".join(f"{n + ' ms':>16}" for n in names)
+    head += f" {'packed/fp32':>11} {'packed/bf16':>11}"
+    print(head)
+    print("-" * len(head))
+    for t, med in rows:
+        line = f"{t:>7} " + " ".join(f"{1e3 * med[n]:>16.3f}" for n in names)
+        r32, r16 = med[packed] / med["SDPA fp32"], med[packed] / med["SDPA bf16"]
+        line += f" {r32:>10.2f}x {r16:>10.2f}x"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
