@@ -67,7 +67,8 @@ def _args(hq: int, hkv: int, d: int) -> tuple[dict, dict, dict]:
     consts = dict(
         GQA=hq // hkv, DK=d, DV=d, K_BITS=BITS, K_GROUP=G, K_CHANNEL=True, V_BITS=BITS,
         V_GROUP=G, V_CHANNEL=False, K_FAST=True, V_FAST=True, ROPE=1, ROT_DIM=d,
-        HAS_MASK=False, DOT_F32=False, BLOCK_M=16, BLOCK_R=d // 2, BLOCK_P=16, BLOCK_DV=d,
+        HAS_MASK=False, DOT_F32=False, MATH_F16=True, BLOCK_M=16, BLOCK_R=d // 2,
+        BLOCK_P=16, BLOCK_DV=d,
     )
     return ints, ptrs, consts
 
