@@ -1,0 +1,118 @@
+"""Compile every Triton kernel family for sm_90 ahead of time (no GPU needed).
+
+Run by ``test_triton_compile.py`` in a subprocess *without* ``TRITON_INTERPRET``: the
+interpreter executes kernels as Python and accepts programs that the compiler rejects
+(typed early returns, shape or dtype mismatches in untaken ``constexpr`` branches), so
+this is the only check of the compiled path on a machine without a GPU. Prints one line
+per compiled variant and exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from kvpolicy.kernels import triton_attention as ta
+from kvpolicy.kernels import triton_quant as tq
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _compile(kernel, ints: dict, ptrs: dict, consts: dict, floats=(), warps=4, stages=2):
+    """Compile ``kernel`` with the specialisation the runtime would pick for ``ints``."""
+    fn = kernel
+    while not isinstance(fn, JITFunction):
+        fn = fn.fn
+    consts = dict(consts)
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name] = ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in floats:
+            sig[name] = "fp32"
+        elif ints[name] == 1:
+            sig[name] = "constexpr"
+            consts[name] = 1
+        else:
+            sig[name] = "i32"
+            if ints[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, consts, attrs)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
+
+
+def attention(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, mask=False, block_n=64):
+    """One attention variant: ``kaxis``/``vaxis`` are "channel" or "token"."""
+    g = 32
+    t = 4096
+    ints = {n: 64 for n in ta._packed_attention_kernel.arg_names}  # strides, sizes
+    ints.update(q_len=1, sq_d=1, skc_2=1, sks_1=1, svc_2=1, svs_1=1, sp_t=1, sr_d=1,
+                n_rows=gqa, kv_len=t, split_len=t // 4)
+    ptrs = dict(
+        q_ptr=f"*{qdt}", kc_ptr="*u8" if kb < 16 else f"*{qdt}", ks_ptr=f"*{qdt}",
+        kz_ptr=f"*{qdt}", vc_ptr="*u8" if vb < 16 else f"*{qdt}", vs_ptr=f"*{qdt}",
+        vz_ptr=f"*{qdt}", pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32",
+        mask_ptr=f"*{qdt}", out_ptr="*fp32", lse_ptr="*fp32",
+    )
+    kspec = ta.QuantSpec(kb, g, kaxis)
+    vspec = ta.QuantSpec(vb, g, vaxis)
+    consts = dict(
+        GQA=gqa, DK=d, DV=d, K_BITS=kb, K_GROUP=g, K_CHANNEL=kaxis == "channel",
+        V_BITS=vb, V_GROUP=g, V_CHANNEL=vaxis == "channel",
+        K_FAST=ta._fast_layout(kspec, "channel", d), V_FAST=ta._fast_layout(vspec, "token", d),
+        ROPE=rope, ROT_DIM=rot, HAS_MASK=mask, DOT_F32=qdt == "fp32",
+        MATH_F16=qdt == "fp16", BLOCK_M=16,
+        BLOCK_R=max(16, triton.next_power_of_2(max(rot // 2, 1))),
+        BLOCK_P=max(16, triton.next_power_of_2(max(d - rot, 1))),
+        BLOCK_DV=triton.next_power_of_2(d), BLOCK_N=block_n,
+    )
+    return _compile(ta._packed_attention_kernel, ints, ptrs, consts, floats=("scale",))
+
+
+def quantize(bits, g, sdt):
+    ints = {n: 64 for n in tq._quantize_pack_kernel.arg_names}
+    ints.update(sx_l=1, sc_l=1, ss_l=1)
+    ptrs = dict(x_ptr="*fp16", codes_ptr="*u8", scale_ptr=f"*{sdt}", zero_ptr=f"*{sdt}")
+    ch = 8 // math.gcd(bits, 8)
+    consts = dict(BITS=bits, GROUP=g, CH=ch, BLOCK_G=triton.next_power_of_2(g),
+                  BLOCK_W=triton.next_power_of_2(g // ch), STORE_BF16=sdt == "bf16", BLOCK_L=64)
+    return _compile(tq._quantize_pack_kernel, ints, ptrs, consts, warps=2)
+
+
+def main() -> int:
+    merge_ptrs = dict(part_ptr="*fp32", plse_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32")
+    variants = [
+        # the kvpolicy-2 decode policy on both fast paths, fp16 and bf16 queries
+        ("attn fp16 K2ch V2tok rotate_half",
+         lambda: attention("fp16", 2, "channel", 2, "token", 1, 128)),
+        ("attn bf16 K4ch V1tok interleaved d64",
+         lambda: attention("bf16", 4, "channel", 1, "token", 2, 64, d=64, gqa=3)),
+        # generic gathers: 3-bit straddling codes, flipped axes, partial rotary, a mask
+        ("attn fp32 K3ch V3ch partial+mask",
+         lambda: attention("fp32", 3, "channel", 3, "channel", 1, 32, mask=True)),
+        ("attn fp16 K8tok V2ch no-rope d80",
+         lambda: attention("fp16", 8, "token", 2, "channel", 0, 0, d=80, block_n=32)),
+        ("attn fp16 full-precision segment",
+         lambda: attention("fp16", 16, "token", 16, "token", 0, 0, mask=True)),
+        ("merge splits",
+         lambda: _compile(ta._merge_splits_kernel, {"n_splits": 8}, merge_ptrs,
+                          dict(DV=128, BLOCK_S=8, BLOCK_DV=128))),
+        ("quantize 2-bit fp16 scales", lambda: quantize(2, 32, "fp16")),
+        ("quantize 3-bit bf16 scales", lambda: quantize(3, 32, "bf16")),
+    ]
+    for name, build in variants:
+        build()
+        print(f"compiled for sm_90: {name}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
