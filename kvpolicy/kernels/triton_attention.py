@@ -173,6 +173,7 @@ def _dequant_channel_groups(
     sc_0, sc_1, sc_2,  # codes strides: group, byte, channel
     ss_0, ss_1,  # scale strides: group, channel
     n0,  # first token of the tile, a multiple of GROUP
+    n_end,  # tokens from n_end on are not read (end of the split)
     ch,  # [C] channel indices
     ch_ok,  # [C] which channels exist
     BITS: tl.constexpr,  # code width dividing 8
@@ -189,16 +190,18 @@ def _dequant_channel_groups(
     GB: tl.constexpr = GROUP * BITS // 8  # bytes per channel and group
     PER: tl.constexpr = 8 // BITS  # codes per byte
     g = n0 // GROUP + tl.arange(0, NGT)
+    g_ok = g * GROUP < n_end  # the last tile may run past the segment
     j = tl.arange(0, GB)
-    ok = ch_ok[None, None, :] & (j[None, :, None] >= 0)
+    ok = g_ok[:, None, None] & (j[None, :, None] >= 0) & ch_ok[None, None, :]
     ptr = c_ptr + g[:, None, None] * sc_0 + j[None, :, None] * sc_1 + ch[None, None, :] * sc_2
     byts = tl.load(ptr, mask=ok, other=0).to(tl.int32)  # [NGT, GB, C]
     sh = tl.arange(0, PER) * BITS
     codes = (byts[:, :, None, :] >> sh[None, None, :, None]) & ((1 << BITS) - 1)
     codes = tl.reshape(codes, [NGT, GROUP, ch.shape[0]])  # token = byte * PER + k
     s_off = g[:, None] * ss_0 + ch[None, :] * ss_1
-    scale = tl.load(s_ptr + s_off, mask=ch_ok[None, :], other=0.0)
-    zero = tl.load(z_ptr + s_off, mask=ch_ok[None, :], other=0.0)
+    s_ok = g_ok[:, None] & ch_ok[None, :]
+    scale = tl.load(s_ptr + s_off, mask=s_ok, other=0.0)
+    zero = tl.load(z_ptr + s_off, mask=s_ok, other=0.0)
     x = _dequant(codes, scale[:, None, :], zero[:, None, :], F16)
     return tl.reshape(x, [BLOCK_N, ch.shape[0]])
 
@@ -243,6 +246,7 @@ def _load_keys(
     c_ptr, s_ptr, z_ptr,  # key codes, scale, zero of this (batch, head)
     sc_0, sc_1, sc_2, ss_0, ss_1,  # their strides (see _dequant_tile)
     n0,  # first token of the tile
+    n_end,  # end of the split (the fast path must not read past it)
     tok,  # [N] token indices
     tok_ok,  # [N] which tokens exist
     ch,  # [C] channel indices
@@ -255,7 +259,7 @@ def _load_keys(
     """Dequantized ``[N, C]`` key tile, by the fast path where the layout allows."""
     if FAST and BLOCK_N % GROUP == 0:
         x = _dequant_channel_groups(c_ptr, s_ptr, z_ptr, sc_0, sc_1, sc_2, ss_0, ss_1, n0,
-                                    ch, ch_ok, BITS, GROUP, BLOCK_N, F16)
+                                    n_end, ch, ch_ok, BITS, GROUP, BLOCK_N, F16)
     else:
         x = _dequant_tile(c_ptr, s_ptr, z_ptr, sc_0, sc_1, sc_2, ss_0, ss_1, tok, ch,
                           tok_ok[:, None] & ch_ok[None, :], BITS, GROUP, CHANNEL_AXIS)
@@ -385,10 +389,12 @@ def _packed_attention_kernel(
         s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if ROPE != 0:
             ok = tok_ok[:, None] & r_ok[None, :]
-            k_a = _load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, tok, tok_ok,
-                             ch_a, r_ok, K_BITS, K_GROUP, K_CHANNEL, K_FAST, BLOCK_N, MATH_F16)
-            k_b = _load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, tok, tok_ok,
-                             ch_b, r_ok, K_BITS, K_GROUP, K_CHANNEL, K_FAST, BLOCK_N, MATH_F16)
+            k_a = _load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, end, tok,
+                             tok_ok, ch_a, r_ok, K_BITS, K_GROUP, K_CHANNEL, K_FAST, BLOCK_N,
+                             MATH_F16)
+            k_b = _load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, end, tok,
+                             tok_ok, ch_b, r_ok, K_BITS, K_GROUP, K_CHANNEL, K_FAST, BLOCK_N,
+                             MATH_F16)
             # Both channels of a pair turn by the same angle (RotarySpec's table layout),
             # so one gather of the table at the first channel serves both.
             pos = tl.load(pos_ptr + b * sp_b + tok * sp_t, mask=tok_ok, other=0)
@@ -400,8 +406,9 @@ def _packed_attention_kernel(
             s += _qk(q_a, rot_a, DOT_F32)
             s += _qk(q_b, rot_b, DOT_F32)
         if HAS_PASS:
-            k_p = _load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, tok, tok_ok,
-                             ch_p, p_ok, K_BITS, K_GROUP, K_CHANNEL, K_FAST, BLOCK_N, MATH_F16)
+            k_p = _load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, end, tok,
+                             tok_ok, ch_p, p_ok, K_BITS, K_GROUP, K_CHANNEL, K_FAST, BLOCK_N,
+                             MATH_F16)
             s += _qk(q_p, k_p, DOT_F32)
         s = s * scale
         if HAS_MASK:
