@@ -511,9 +511,12 @@ def _packed_dims(p: Packed, spec: QuantSpec, what: str) -> tuple[int, int, int, 
                              f"{tuple(c.shape)}")
         b, h, t, nb = c.shape
         d = nb * 8 // spec.bits
-    if p.scale.shape != p.zero.shape or p.scale.dim() != 4:
+    want = (b, h, n, d) if spec.axis == "channel" else (b, h, t, d // spec.group_size)
+    if d % spec.group_size and spec.axis == "token":
+        raise CacheError(f"{what}: head_dim={d} is not a multiple of group_size={spec.group_size}")
+    if tuple(p.scale.shape) != want or tuple(p.zero.shape) != want:
         raise CacheError(f"{what}: scale {tuple(p.scale.shape)} and zero "
-                         f"{tuple(p.zero.shape)} must be equal 4-D shapes")
+                         f"{tuple(p.zero.shape)} must both be {want} for codes {tuple(c.shape)}")
     return b, h, t, d
 
 
@@ -606,6 +609,9 @@ def packed_attention_partial(
         raise CacheError(f"{hq} query heads are not a multiple of {hkv} kv heads")
     gqa = hq // hkv
     device = q.device
+    for name, t in (("keys", k.codes), ("values", v.codes)):
+        if t.device != device:
+            raise CacheError(f"{name} are on {t.device} but q is on {device}; move them together")
     if tk == 0 or b == 0 or tq == 0:
         return (
             torch.zeros(b, hq, tq, dv, device=device, dtype=torch.float32),

@@ -245,6 +245,9 @@ def test_errors_name_the_problem():
         ta.packed_attention_partial(q, kp, vp, k_spec, v_spec, scale=1.0,
                                     rope=_rope("rotate_half", 16, positions=8),
                                     k_positions=_positions(1, 16))
+    bad = type(kp)(kp.codes, kp.scale[:, :, :, :8], kp.zero[:, :, :, :8])
+    with pytest.raises(CacheError, match="scale"):
+        ta.packed_attention_partial(q, bad, vp, k_spec, v_spec, scale=1.0)
     with pytest.raises(CacheError, match="broadcast"):
         ta.packed_attention_partial(q, kp, vp, k_spec, v_spec, scale=1.0,
                                     mask=torch.zeros(3, 16, device=DEVICE))
