@@ -64,6 +64,7 @@ class ModelAnalysis:
     layers: list[LayerFacts]
     blocks: dict[str, BlockAnalysis]
     modules: list[nn.Module]  # the attention module of each layer, in layer order
+    calls: list  # the probe call of each layer (passes.trace.AttentionCall)
     seconds: float
     trace_seconds: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
@@ -186,12 +187,14 @@ def analyse_model(model: nn.Module) -> ModelAnalysis:
         b = blocks[kind]
         layers.append(LayerFacts(layer=call.index, block_kind=kind, key=b.key, value=b.value))
     analysis = ModelAnalysis(
-        layers, blocks, [c.module for c in calls], time.perf_counter() - start, trace_seconds
+        layers, blocks, [c.module for c in calls], calls, time.perf_counter() - start,
+        trace_seconds,
     )
     log.info(
         "analysed %d attention layers (%d distinct block kinds) in %.2f s",
         len(layers), len(blocks), analysis.seconds,
     )
+    object.__setattr__(model, _ANALYSIS_ATTR, analysis)
     return analysis
 
 

@@ -45,6 +45,10 @@ class RopeMatch:
     token_dim: int  # of pre_rope
     channel_dim: int  # of pre_rope (the last dim: RoPE rotates the innermost dim)
     region: tuple[str, ...]  # names of the nodes that make up the rotation
+    # The position tensors as the rotation multiplies them (broadcast against the key):
+    # cos (or the complex freqs_cis) and sin (None for the complex style).
+    cos_node: fx.Node | None = None
+    sin_node: fx.Node | None = None
 
 
 def key_dependent_nodes(gm: fx.GraphModule, parameter_names: set[str]) -> set[fx.Node]:
@@ -190,6 +194,7 @@ def find_rope(
         )
     # cos multiplies the key itself; sin multiplies the rotated copy.
     cos_src = sin_src = None
+    cos_node = sin_node = None
     for m in pos_muls:
         key_in = next(a for a in m.all_input_nodes if a in dep)
         pos_in = next(a for a in m.all_input_nodes if a not in dep)
@@ -197,11 +202,13 @@ def find_rope(
         rotated = any(op_name(n) in ("neg", "cat", "stack") for n in _ancestors_within(key_in, dep)
                       if _is_ancestor(pre, n, dep) or n is key_in)
         if style is RopeStyle.COMPLEX:
-            cos_src = src
+            cos_src, cos_node = src, pos_in
         elif rotated:
             sin_src = sin_src or src
+            sin_node = sin_node or pos_in
         else:
             cos_src = cos_src or src
+            cos_node = cos_node or pos_in
     partial = rotary_dim < head_dim
     desc = {
         RopeStyle.ROTATE_HALF: "rotate-half",
@@ -220,7 +227,7 @@ def find_rope(
     )
     return RopeMatch(
         facts=facts, pre_rope=pre, token_dim=tok[0], channel_dim=len(pre_shape) - 1,
-        region=tuple(n.name for n in rotation),
+        region=tuple(n.name for n in rotation), cos_node=cos_node, sin_node=sin_node,
     )
 
 
