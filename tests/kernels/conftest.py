@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -31,3 +32,25 @@ for _name in ("kvpolicy.kernels.triton_quant", "kvpolicy.kernels.triton_attentio
             f"{_name} was imported before tests/kernels/conftest.py set TRITON_INTERPRET=1; "
             "run the Triton tests on their own (pytest -m triton) or set TRITON_INTERPRET=1"
         )
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_triton_config_on_gpu():
+    """On a GPU, run the tests with the first autotune config of each kernel.
+
+    Tuning would compile and time every config for each of the many small policies the
+    tests cover (minutes); the tests check results, not speed. The interpreter already
+    keeps a single config. Restored after the session.
+    """
+    if not torch.cuda.is_available():
+        yield
+        return
+    from kvpolicy.kernels import triton_attention, triton_quant
+
+    tuned = [triton_attention._packed_attention_kernel, triton_quant._quantize_pack_kernel]
+    saved = [k.configs for k in tuned]
+    for k in tuned:
+        k.configs = k.configs[:1]
+    yield
+    for k, configs in zip(tuned, saved, strict=True):
+        k.configs = configs
