@@ -8,8 +8,9 @@ collects any test module of this folder, and nothing in the package imports the 
 modules at import time (the torch backend and the cache import them lazily), so setting
 it here reaches exactly the Triton tests. It is an environment variable of the test
 process, read only by Triton; nothing else in the suite launches Triton kernels, and no
-Triton module is configured or imported here. On a machine with CUDA it is left unset
-(the same tests then run compiled kernels on the GPU); an explicit value is respected.
+Triton module is imported at this point. On a machine with CUDA it is left unset (the
+same tests then run compiled kernels on the GPU, with one autotune config, see the
+fixture below); an explicit value is respected.
 """
 
 from __future__ import annotations
