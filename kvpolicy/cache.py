@@ -111,7 +111,10 @@ class PackedKVLayer:
         residual: R, recent tokens kept in full precision.
         sinks: S, first tokens kept in full precision.
         rope: if given, appended keys are *pre-RoPE* and are rotated at their stored
-            positions inside :meth:`attend`.
+            positions inside :meth:`attend` (which can also be handed a newer table).
+        pre_rope: store each token's position for a rotation applied at attend time even
+            though no table is known yet (the table then comes with each ``attend(rope=)``
+            call, e.g. one that grows with the sequence). Default: ``rope is not None``.
         backend: ``"torch"``, ``"triton"``, or ``"auto"`` (triton for CUDA tensors).
         dtype: storage dtype of full-precision tokens and of scales/zeros; appended
             tensors are cast to it. ``None``: the dtype of the first append, and later
@@ -128,6 +131,7 @@ class PackedKVLayer:
         rope: RotarySpec | None = None,
         backend: str = "auto",
         dtype: torch.dtype | None = None,
+        pre_rope: bool | None = None,
     ) -> None:
         if not isinstance(key_spec, QuantSpec) or not isinstance(value_spec, QuantSpec):
             raise CacheError("key_spec and value_spec must be kvpolicy QuantSpec instances")
@@ -142,6 +146,9 @@ class PackedKVLayer:
         self.residual = residual
         self.sinks = sinks
         self.rope = rope
+        self.pre_rope = rope is not None if pre_rope is None else bool(pre_rope)
+        if rope is not None and not self.pre_rope:
+            raise CacheError("rope given with pre_rope=False; drop one of them")
         self.backend = backend
         self.dtype = dtype
         self.chunk = math.lcm(key_spec.token_group, value_spec.token_group)
@@ -161,7 +168,7 @@ class PackedKVLayer:
         self._res_v: torch.Tensor | None = None
         # NOTE: positions are stored as int32: at 2 bits with SmolLM2 shapes a token costs
         # ~150 bytes per layer, and int64 positions alone would take the 32K compression
-        # below 5x (bench/cache_memory.py). Only stored when keys need RoPE.
+        # below 5x (bench/cache_memory.py). Only stored for pre-RoPE keys.
         self._pos = _Growing(1)  # [B, total] int32
 
     def clear(self) -> None:
@@ -190,7 +197,7 @@ class PackedKVLayer:
         return None if self._shape is None else self._shape[0]
 
     def positions(self) -> torch.Tensor | None:
-        """Stored key positions ``[B, seq_len]`` int64 (None when no RoPE is applied)."""
+        """Stored key positions ``[B, seq_len]`` int64 (None unless keys are pre-RoPE)."""
         p = self._pos.view()
         return None if p is None else p.long()
 
@@ -268,11 +275,14 @@ class PackedKVLayer:
                     f"positions must be [batch, tokens] = {(b, t)}, got {tuple(positions.shape)}"
                 )
             pos = positions.to(key.device, torch.int64)
+        if self.pre_rope and pos is None:
+            start = self.seq_len
+            pos = torch.arange(start, start + t, device=key.device).expand(b, t)
+        if self.pre_rope and t and (int(pos.min()) < 0 or int(pos.max()) >= 2**31):
+            raise CacheError(f"positions must lie in [0, 2**31), got [{int(pos.min())}, "
+                             f"{int(pos.max())}]")
         if self.rope is not None:
-            if pos is None:
-                start = self.seq_len
-                pos = torch.arange(start, start + t, device=key.device).expand(b, t)
-            if t and (int(pos.min()) < 0 or int(pos.max()) >= self.rope.max_positions):
+            if t and int(pos.max()) >= self.rope.max_positions:
                 raise CacheError(
                     f"positions span [{int(pos.min())}, {int(pos.max())}] but the rotary table "
                     f"has {self.rope.max_positions} rows; build the RotarySpec longer"
@@ -351,7 +361,8 @@ class PackedKVLayer:
             n_packed += n
             res_k, res_v = res_k[:, :, n:].contiguous(), res_v[:, :, n:].contiguous()
         new_pos = self._pos
-        if pos is not None and self.rope is not None:
+        if self.pre_rope:
+            assert pos is not None
             new_pos = self._pos.appended(pos.to(torch.int32))
         # commit
         self._shape = (b, h, dk, value.shape[3])
@@ -441,6 +452,7 @@ class PackedKVLayer:
         scale: float | None = None,
         attn_mask: torch.Tensor | None = None,
         causal: bool = True,
+        rope: RotarySpec | None = None,
     ) -> torch.Tensor:
         """Softmax attention of ``query [B, Hq, Tq, D]`` over every cached token.
 
@@ -450,10 +462,19 @@ class PackedKVLayer:
             attn_mask: bool (True = attend) or additive float, broadcastable to
                 ``[B, 1|Hq, Tq, seq_len]``. Takes precedence over ``causal``.
             causal: without a mask, query ``i`` sees cache index ``<= seq_len - Tq + i``.
+            rope: the rotary table for this call (overrides the layer's ``rope``); the
+                stored positions index it.
         Returns:
             ``[B, Hq, Tq, Dv]`` in ``query.dtype``.
         """
         self._validate_query(query, attn_mask)
+        if rope is None:
+            rope = self.rope
+        elif not self.pre_rope:
+            raise CacheError("attend(rope=...) on a layer built without pre_rope=True: its "
+                             "keys are post-RoPE and no positions were stored")
+        if rope is not None and rope.rotary_dim > query.shape[-1]:
+            raise CacheError(f"rotary_dim={rope.rotary_dim} > head_dim={query.shape[-1]}")
         b, hq, tq, d = query.shape
         total = self.seq_len
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -462,20 +483,20 @@ class PackedKVLayer:
         _, packed_attention = self._kernels(query.device)
         qf = query.float()
         if npk and packed_attention is _torch_backend.packed_attention_partial:
-            out = self._attend_fused(qf, scale, mask)
+            out = self._attend_fused(qf, scale, mask, rope)
             if out is not None:
                 return out.to(query.dtype)
         parts = []
         if npk:
             pk, pv = self._packed()
             kpos = None
-            if self.rope is not None:
+            if rope is not None:
                 kpos = self._pos.view()[:, ns : ns + npk].long()
             m = None if mask is None else mask[..., ns : ns + npk]
             parts.append(
                 packed_attention(
                     qf, pk, pv, self.key_spec, self.value_spec,
-                    scale=scale, mask=self._drop_if_open(m), rope=self.rope, k_positions=kpos,
+                    scale=scale, mask=self._drop_if_open(m), rope=rope, k_positions=kpos,
                 )
             )
         # Sinks and residual are both full precision: one segment, one matmul pair.
@@ -484,10 +505,10 @@ class PackedKVLayer:
             fv = [t for t in (self._sink_v, self._res_v) if t is not None and t.shape[2]]
             k = torch.cat(fk, dim=2) if len(fk) > 1 else fk[0]
             v = torch.cat(fv, dim=2) if len(fv) > 1 else fv[0]
-            if self.rope is not None:
+            if rope is not None:
                 p = self._pos.view()
                 fpos = torch.cat((p[:, :ns], p[:, ns + npk :]), dim=1).long()
-                k = _ref.apply_rope(k.float(), fpos, self.rope)
+                k = _ref.apply_rope(k.float(), fpos, rope)
             m = None
             if mask is not None:
                 m = torch.cat((mask[..., :ns], mask[..., ns + npk :]), dim=-1)
@@ -508,14 +529,14 @@ class PackedKVLayer:
         return torch.cat(fk, dim=2), torch.cat(fv, dim=2)
 
     def _attend_fused(
-        self, qf: torch.Tensor, scale: float, mask: torch.Tensor | None
+        self, qf: torch.Tensor, scale: float, mask: torch.Tensor | None, rope: RotarySpec | None
     ) -> torch.Tensor | None:
         """All three segments in one C++ call (CPU torch backend); None if not covered."""
         ns, npk = self.n_sinks, self._n_packed
         pk, pv = self._packed()
         fk, fv = self._fp_segment()
         kpos = fpos = None
-        if self.rope is not None:
+        if rope is not None:
             p = self._pos.view()
             kpos = p[:, ns : ns + npk]
             fpos = torch.cat((p[:, :ns], p[:, ns + npk :]), dim=1)
@@ -527,7 +548,7 @@ class PackedKVLayer:
             )
         got = _torch_backend.fused_attention(
             qf, pk, pv, self.key_spec, self.value_spec, fk, fv,
-            scale=scale, mask=pmask, fp_mask=fmask, rope=self.rope,
+            scale=scale, mask=pmask, fp_mask=fmask, rope=rope,
             k_positions=kpos, fp_positions=fpos,
         )
         return None if got is None else got[0]

@@ -293,3 +293,21 @@ def test_memory_report_matches_hand_count() -> None:
     assert rep["bytes"] == expected, f"{rep['bytes']} != hand count {expected}"
     assert rep["fp16_bytes"] == t * fp and rep["tokens"] == t
     assert rep["position_bytes"] == positions and rep["allocated_bytes"] >= rep["bytes"]
+
+
+def test_rope_table_given_at_attend_time() -> None:
+    """pre_rope=True stores positions; a (growing) table handed to attend() rotates keys."""
+    rope = ROPES["half"]
+    fixed = PackedKVLayer(K2, V2, residual=16, sinks=4, rope=rope, backend="torch")
+    late = PackedKVLayer(K2, V2, residual=16, sinks=4, pre_rope=True, backend="torch")
+    k, v, q = torch.randn(1, 3, 300, 64), torch.randn(1, 3, 300, 64), torch.randn(1, 9, 1, 64)
+    pos = torch.randint(0, 2048, (1, 300))
+    fixed.append(k, v, pos)
+    late.append(k, v, pos)
+    grown = RotarySpec("rotate_half", 64, rope.cos[:2048].clone(), rope.sin[:2048].clone())
+    assert torch.equal(fixed.attend(q), late.attend(q, rope=grown))
+    assert late.memory_report()["position_bytes"] == 300 * 4
+    post = PackedKVLayer(K2, V2, residual=16, sinks=4)
+    post.append(k, v)
+    with pytest.raises(CacheError, match="pre_rope"):
+        post.attend(q, rope=grown)

@@ -71,8 +71,9 @@ struct Params {
   const float* fmask; int64_t f0, f1, f2, f3;
   const int64_t* fpos; int64_t fpos_sb;      // [B, Tf]
   // rotary tables
-  const float* cosc; const float* sinc;      // [P, half]
+  const float* cosc; const float* sinc;      // [P, >= half], rows rope_rs floats apart
   int64_t half, rope_style;                  // 0 none, 1 rotate_half, 2 interleaved
+  int64_t rope_rs;
   float* out;                                // [B, Hq, Tq, Dv]
   float* lse;                                // [B, Hq, Tq]
 };
@@ -116,8 +117,8 @@ struct Acc { float m, l; };
 inline void rope_rows(const Params& P, float* K, int64_t nt, const int64_t* pos) {
   constexpr int64_t half = KVP_HALF;  // rotary_dim / 2, compile-time like the head dims
   for (int64_t j = 0; j < nt; ++j) {
-    const float* cs = P.cosc + pos[j] * half;
-    const float* sn = P.sinc + pos[j] * half;
+    const float* cs = P.cosc + pos[j] * P.rope_rs;
+    const float* sn = P.sinc + pos[j] * P.rope_rs;
     float* kr = K + j * Dk;
     if (P.rope_style == 1) {
       for (int64_t i = 0; i < half; ++i) {
@@ -437,6 +438,7 @@ class Params(ctypes.Structure):
         ("fpos", ctypes.c_void_p), ("fpos_sb", ctypes.c_int64),
         ("cosc", ctypes.c_void_p), ("sinc", ctypes.c_void_p),
         ("half", ctypes.c_int64), ("rope_style", ctypes.c_int64),
+        ("rope_rs", ctypes.c_int64),
         ("out", ctypes.c_void_p), ("lse", ctypes.c_void_p),
     ]
 

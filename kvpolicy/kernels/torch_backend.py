@@ -263,15 +263,22 @@ _rope_tables: weakref.WeakKeyDictionary[RotarySpec, tuple[torch.Tensor, torch.Te
 
 
 def _compact_rope(rope: RotarySpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[P, rotary_dim/2]`` fp32 cos/sin: each distinct frequency once (built once per spec)."""
+    """fp32 cos/sin whose first ``rotary_dim/2`` columns hold each frequency once.
+
+    For rotate_half the model's own table already has that layout (``cat(f, f)``): it is
+    used in place, so a table that grows with the sequence costs no copy per step. The
+    interleaved layout (``repeat_interleave(f, 2)``) is compacted once per spec.
+    """
     got = _rope_tables.get(rope)
     if got is None:
-        half = rope.rotary_dim // 2
-        if rope.style == "rotate_half":
-            cos, sin = rope.cos[:, :half], rope.sin[:, :half]
-        else:
-            cos, sin = rope.cos[:, 0::2], rope.sin[:, 0::2]
-        got = (cos.float().contiguous().cpu(), sin.float().contiguous().cpu())
+        cos, sin = rope.cos, rope.sin
+        if rope.style == "interleaved":
+            cos, sin = cos[:, 0::2], sin[:, 0::2]
+        cos = cos.to("cpu", torch.float32)
+        sin = sin.to("cpu", torch.float32)
+        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+            cos, sin = cos.contiguous(), sin.contiguous()
+        got = (cos, sin)
         _rope_tables[rope] = got
     return got
 
@@ -414,7 +421,7 @@ def _cpp_attention(
         cos, sin = _compact_rope(rope)
         keep += [kpos, cos, sin]
         p.kpos, p.kpos_sb = kpos.data_ptr(), kpos.stride(0)
-        p.cosc, p.sinc = cos.data_ptr(), sin.data_ptr()
+        p.cosc, p.sinc, p.rope_rs = cos.data_ptr(), sin.data_ptr(), cos.stride(0)
         p.half, p.rope_style = rope.rotary_dim // 2, 1 if rope.style == "rotate_half" else 2
     if lib.kvp_packed_attention(ctypes.byref(p), k_spec.bits, v_spec.bits) != 0:
         raise CacheError(f"CPU kernel was built for another spec than {k_spec}/{v_spec}")
