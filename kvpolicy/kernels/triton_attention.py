@@ -75,10 +75,12 @@ def _keep_attention_config(configs, named_args, **kwargs):
 
 # NOTE: no GPU was available when this was written, so the tile length along the keys
 # and the warps per program are left to the autotuner (keyed on buckets of the query
-# rows and split length, and on the policy). What was measured is static: an sm_90 AOT
-# compile of the decode shape (32q/8kv heads, head_dim 128, 2-bit) has no register
-# spills for any config below, and its loop costs ~4K thread-instructions per key, so
-# the kernel is likely issue-bound rather than bound by the packed bytes. The list is
+# rows and split length, and on the policy). What was measured is static
+# (bench/sm90_static.py): an sm_90 AOT compile of the decode shape (32q/8kv heads,
+# head_dim 128, 2-bit, fp16) spills no registers in any kept config, and its key loop
+# costs ~3.2-3.9K thread-instructions per key, so the kernel is likely issue-bound
+# rather than bound by the packed bytes (~0.1 ns per key and kv head on an H200, about
+# what SDPA needs to stream the same key from an fp16 cache). The list is
 # small so that tuning stays within seconds per shape. Under the interpreter a single
 # config is kept (tuning there would time the interpreter).
 _ATTENTION_CONFIGS = [
