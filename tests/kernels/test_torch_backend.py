@@ -74,6 +74,21 @@ def test_pack_unpack_match_reference(bits: int) -> None:
 # --------------------------------------------------------------------------- attention
 
 
+@pytest.mark.parametrize("tk", (0, 1, 31, 257))
+@pytest.mark.parametrize("hq,hkv", ((9, 3), (4, 1), (2, 2)))
+def test_attention_partial_matches_reference(tk: int, hq: int, hkv: int) -> None:
+    q = torch.randn(2, hq, 3, 16)
+    k, v = torch.randn(2, 2, hkv, tk, 16).unbind(0)
+    mask = torch.zeros(2, hq, 3, tk)
+    mask[0, :, 1] = float("-inf")  # a fully hidden row
+    mask[1, 1, :, ::2] = float("-inf")  # per-head mask
+    for m in (None, mask, mask[:, :1]):
+        out, lse = tb.attention_partial(q, k, v, scale=0.3, mask=m)
+        r_out, r_lse = ref.attention_partial(q, k, v, scale=0.3, mask=m)
+        torch.testing.assert_close(out, r_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, r_lse, atol=1e-5, rtol=1e-5)
+
+
 def packed_pair(k, v, ks, vs):
     return tb.quantize(k, ks), tb.quantize(v, vs)
 
