@@ -1,24 +1,27 @@
-"""A fused C++ CPU kernel for attention over one packed segment, loaded through ctypes.
+"""A fused C++ CPU kernel for decode attention over the packed cache, loaded through ctypes.
 
-Reads each packed byte once per call: per group of G tokens it unpacks the key codes of
-all channels into a small fp32 tile (L1-resident), rotates them at their positions,
-scores them against every query row of the GQA group, and later accumulates the values
-straight from their codes with the per-token scale folded into the probability
-(DESIGN.md §4: ``Σ_t p_t v_t = Σ_t (p_t s_t) v_int,t + Σ_t p_t z_t``). Tokens are split
-into chunks processed in parallel, each producing ``(max, sum, unnormalised out)``, then
-merged by log-sum-exp.
+One call covers one softmax over a packed segment and (optionally) a full-precision
+segment (sinks + residual window). Per group of G tokens it unpacks the key codes of all
+channels into a small fp32 tile (L1-resident), rotates them at their positions, and
+scores them against every query row of the GQA group; values are then dequantized
+TB=8 token rows at a time and accumulated into registers. Tokens are split into chunks
+(work items) processed in parallel, each producing ``(max, sum, unnormalised out)`` per
+row, merged by log-sum-exp at the end. Each packed byte is read once per call; no
+dequantized cache is ever materialised.
 
-Supported (everything else falls back to the eager torch path): key axis "channel" and
-value axis "token", bits in {1, 2, 3, 4, 8} for each, fp32 query/scales (the caller
-converts), no RoPE or rotate_half / interleaved with a compact ``[P, rotary_dim/2]``
-table.
+Covered (everything else falls back to the eager torch path): key axis "channel" and
+value axis "token", bits in {1, 2, 3, 4, 8} each, no RoPE or rotate_half / interleaved.
+Queries, scales and full-precision tokens are passed as fp32 (the caller converts).
 
-Built with g++ on first use into ``~/.cache/kvpolicy/cpu_ext/<hash>/`` (the hash covers
-the source, the flags and the CPU's feature flags, because of ``-march=native``).
+Each library is specialised by ``-D`` (bits, group sizes, head dims, rotary width) so
+every inner loop has a compile-time trip count, and is built with g++ on first use into
+``~/.cache/kvpolicy/cpu_ext/<hash>-<config>/`` (the hash covers the source, the flags and
+the CPU's feature flags, because of ``-march=native``).
 
-NOTE: a plain shared library through ctypes, not ``torch.utils.cpp_extension``: with no
-torch/pybind headers it builds in ~3 s instead of ~40 s on this 2-core machine, and
-ctypes releases the GIL during the call. Threads are std::thread per call (~20 us).
+NOTE: a plain shared library through ctypes rather than ``torch.utils.cpp_extension``
+(not tried): no torch/pybind headers to compile, ctypes releases the GIL during the call.
+Measured here: one specialised library builds in ~1 s; one library with all 25 bit-width
+pairs instantiated took 27 s, hence one library per spec.
 """
 
 from __future__ import annotations
@@ -192,7 +195,8 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
 #if defined(__AVX2__) && defined(__FMA__)
         if constexpr (Dk % 8 == 0) {
           // NOTE: 8 tokens at a time with one transposing hadd reduction for all 8 dot
-          // products; gcc's per-token reductions took 0.20 ms of a 0.87 ms 8K step (1 thread).
+          // products. 8K step, 1 thread (min of 60): 1.04 ms with gcc's per-token
+          // reductions, 0.73 ms with this.
           for (; j + 8 <= nt; j += 8) {
             __m256 a[8];
             for (int jj = 0; jj < 8; ++jj) a[jj] = _mm256_setzero_ps();
@@ -241,11 +245,11 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
       st[r].l = l;
     }
     // ---- values: dequantize TB token rows (L1) and add p * row to every query row.
-    // NOTE: 1 thread, 8K-token decode, SmolLM2 shapes, this pass: folding s_t into p with
-    // unit-major accumulators (DESIGN.md §4) 1.4-3.2 ms; dequantize-then-axpy one token at a
-    // time 0.85 ms (a 256-entry byte lookup table: the same); blocks of TB=8 tokens, which
-    // keep each row's accumulator in registers, ~0.45 ms. With 3 query rows per kv head
-    // the fold saves almost nothing and costs vectorisation.
+    // NOTE: whole 8K-token step, 1 thread, SmolLM2 shapes, 2 bits (min of 30): folding
+    // p_t s_t into the codes (DESIGN.md §4) with unit-major accumulators 2.1-3.8 ms;
+    // dequantize-then-axpy one token at a time 1.31 ms; the same with a 256-entry byte
+    // lookup table 1.32 ms; blocks of TB=8 tokens (accumulators stay in registers) 0.96 ms.
+    // With 3 query rows per kv head the fold saves ~1 FMA in 4 and cost vectorisation.
     std::fill(accp.begin(), accp.end(), 0.f);
     constexpr int64_t TB = 8;
     alignas(64) float vblk[TB][Dv];
@@ -266,9 +270,9 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
 #if defined(__AVX2__) && defined(__FMA__)
         if constexpr (Gv % 8 == 0 && VB <= 4) {
           // NOTE: 8 codes per step: broadcast their bits, per-lane shift (vpsrlvd), mask,
-          // convert, one FMA with the group's scale/zero. Measured (1 thread, 8K tokens,
-          // SmolLM2 shapes) the value pass 0.58 ms with gcc's own vectorisation of the
-          // scalar loop below, see bench/cpu_attention.py for the whole step with this.
+          // convert, one FMA with the group's scale/zero. 8K step, 1 thread: value pass
+          // 0.58 -> 0.27 ms (timers in the loop), whole step 1.19 -> 0.87 ms, against gcc's
+          // vectorisation of the portable loop below (or of a 32-bit-word variant).
           const __m256i shifts = _mm256_setr_epi32(0, VB, 2 * VB, 3 * VB, 4 * VB, 5 * VB,
                                                    6 * VB, 7 * VB);
           const __m256i maskv = _mm256_set1_epi32((int)VU::mask);

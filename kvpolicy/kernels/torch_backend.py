@@ -82,9 +82,9 @@ def _unit(bits: int) -> tuple[int, int]:
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Same contract as :func:`reference.pack_bits`, one word per byte-aligned unit.
 
-    NOTE: packing a unit of codes into an int64 word and splitting the word into bytes
-    touches each code once; the reference expands every code to ``bits`` single-bit
-    elements first (8x the temporaries).
+    Packing a unit of codes into an int64 word and splitting the word into bytes touches
+    each code once; the reference expands every code to ``bits`` single-bit elements
+    first (8x the temporaries). Not benchmarked: packing runs once per chunk.
     """
     if bits == 8:
         return codes
@@ -107,7 +107,7 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     m = packed.shape[-1]
     dev = packed.device
     if nbytes == 1:
-        # NOTE: for 1/2/4 bits a uint8 shift-and-mask avoids the int64 word entirely.
+        # For 1/2/4 bits a uint8 shift-and-mask avoids the int64 word entirely.
         shifts = torch.arange(per, device=dev, dtype=torch.uint8) * bits
         out = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
         return out.reshape(*packed.shape[:-1], m * per)
@@ -282,8 +282,8 @@ def fused_attention(
 # --------------------------------------------------------------------------- C++ path
 
 _CPP_BITS = (1, 2, 3, 4, 8)
-# NOTE: tokens per parallel work item (all kv heads of one batch row). 512 keeps the
-# per-item score buffer small and gives 16 items at 8K tokens to balance over the threads.
+# Tokens per parallel work item (all kv heads of one batch row): a small score buffer and
+# 16 items at 8K tokens to balance over the threads. Not tuned (no quiet machine to tune on).
 _CHUNK_TOKENS = 512
 # NOTE: query rows per kv head up to which the C++ kernel runs. Measured at 8K packed tokens,
 # 1 thread, SmolLM2 shapes (C++ vs eager dequantize + rope + matmul, ms): Tq=1 1.1 vs 14,
@@ -411,8 +411,9 @@ def _cpp_attention(
         B=b, Hkv=hkv, rep=hq // hkv, Tq=tq, Dk=dk, Dv=dv, Tk=tk,
         Gk=k_spec.group_size, Gv=v_spec.group_size,
         chunk=max(k_spec.group_size, _CHUNK_TOKENS // k_spec.group_size * k_spec.group_size),
-        # NOTE: helper threads cost ~20-50 us to start (more on a loaded machine); below
-        # ~4K tokens per row one thread measured faster (1K step: 0.33 ms vs 0.7 ms).
+        # NOTE: a helper thread costs tens of us to start, more on a loaded machine: a 1K
+        # step measured 0.33 ms on one thread vs 0.71 ms on two (load ~3). The 4K cut
+        # itself is a guess between 1K (one thread faster) and 8K (two threads faster).
         nthreads=torch.get_num_threads() if b * (tk + _fp_len(fk)) >= _THREADS_FROM else 1,
         q=qs.data_ptr(),
         kc=kc.data_ptr(), kc_sb=kc_sb, kc_sh=kc_sh,
