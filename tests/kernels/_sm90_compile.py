@@ -95,6 +95,10 @@ def main() -> int:
          lambda: attention("fp16", 2, "channel", 2, "token", 1, 128)),
         ("attn bf16 K4ch V1tok interleaved d64",
          lambda: attention("bf16", 4, "channel", 1, "token", 2, 64, d=64, gqa=3)),
+        ("attn fp16 K8ch V8tok (one code per byte)",
+         lambda: attention("fp16", 8, "channel", 8, "token", 1, 128, block_n=128)),
+        ("attn fp16 K1ch V1tok MQA",
+         lambda: attention("fp16", 1, "channel", 1, "token", 1, 64, d=64, gqa=8)),
         # generic gathers: 3-bit straddling codes, flipped axes, partial rotary, a mask
         ("attn fp32 K3ch V3ch partial+mask",
          lambda: attention("fp32", 3, "channel", 3, "channel", 1, 32, mask=True)),
