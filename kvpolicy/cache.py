@@ -170,6 +170,7 @@ class PackedKVLayer:
         # ~150 bytes per layer, and int64 positions alone would take the 32K compression
         # below 5x (bench/cache_memory.py). Only stored for pre-RoPE keys.
         self._pos = _Growing(1)  # [B, total] int32
+        self._max_pos = -1  # largest stored position: checked against a table per attend
 
     def clear(self) -> None:
         """Drop every token (keeps the configuration)."""
@@ -360,17 +361,18 @@ class PackedKVLayer:
             pv = tuple(b if x.numel() == 0 else b.appended(x) for b, x in zip(pv, qv, strict=True))
             n_packed += n
             res_k, res_v = res_k[:, :, n:].contiguous(), res_v[:, :, n:].contiguous()
-        new_pos = self._pos
+        new_pos, max_pos = self._pos, self._max_pos
         if self.pre_rope:
             assert pos is not None
             new_pos = self._pos.appended(pos.to(torch.int32))
+            max_pos = max(self._max_pos, int(pos.max()))
         # commit
         self._shape = (b, h, dk, value.shape[3])
         self._device = key.device
         self._sink_k, self._sink_v = sink_k, sink_v
         self._res_k, self._res_v = res_k, res_v
         self._pk, self._pv, self._n_packed = pk, pv, n_packed
-        self._pos = new_pos
+        self._pos, self._max_pos = new_pos, max_pos
 
     # ------------------------------------------------------------------ read
 
@@ -475,6 +477,11 @@ class PackedKVLayer:
                              "keys are post-RoPE and no positions were stored")
         if rope is not None and rope.rotary_dim > query.shape[-1]:
             raise CacheError(f"rotary_dim={rope.rotary_dim} > head_dim={query.shape[-1]}")
+        if rope is not None and self._max_pos >= rope.max_positions:
+            raise CacheError(
+                f"a cached key sits at position {self._max_pos} but the rotary table has "
+                f"{rope.max_positions} rows; pass a table that covers every stored position"
+            )
         b, hq, tq, d = query.shape
         total = self.seq_len
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -549,7 +556,7 @@ class PackedKVLayer:
         got = _torch_backend.fused_attention(
             qf, pk, pv, self.key_spec, self.value_spec, fk, fv,
             scale=scale, mask=pmask, fp_mask=fmask, rope=rope,
-            k_positions=kpos, fp_positions=fpos,
+            k_positions=kpos, fp_positions=fpos, check_positions=False,  # checked in attend
         )
         return None if got is None else got[0]
 

@@ -307,6 +307,9 @@ def test_rope_table_given_at_attend_time() -> None:
     grown = RotarySpec("rotate_half", 64, rope.cos[:2048].clone(), rope.sin[:2048].clone())
     assert torch.equal(fixed.attend(q), late.attend(q, rope=grown))
     assert late.memory_report()["position_bytes"] == 300 * 4
+    short = RotarySpec("rotate_half", 64, rope.cos[:100], rope.sin[:100])
+    with pytest.raises(CacheError, match="covers every stored position"):
+        late.attend(q, rope=short)
     post = PackedKVLayer(K2, V2, residual=16, sinks=4)
     post.append(k, v)
     with pytest.raises(CacheError, match="pre_rope"):

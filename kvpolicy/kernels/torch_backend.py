@@ -252,14 +252,17 @@ def fused_attention(
     rope: RotarySpec | None = None,
     k_positions: torch.Tensor | None = None,
     fp_positions: torch.Tensor | None = None,
+    check_positions: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One softmax over a packed segment and a full-precision segment, in one C++ call.
 
     The cache's decode step: packed groups plus sinks and residual window (``fk``/``fv``
     ``[B, Hkv, Tf, D]``, keys pre-RoPE at ``fp_positions [B, Tf]`` when ``rope`` is set;
-    ``fp_mask`` over those ``Tf`` columns). Returns ``(out, lse)`` as
-    :func:`packed_attention_partial` over the union of both segments, or ``None`` when the
-    C++ kernel does not cover these inputs (the caller then runs the segments separately).
+    ``fp_mask`` over those ``Tf`` columns). ``check_positions=False`` skips the bounds
+    check of positions against the rotary table (the caller guarantees it). Returns
+    ``(out, lse)`` as :func:`packed_attention_partial` over the union of both segments, or
+    ``None`` when the C++ kernel does not cover these inputs (the caller then runs the
+    segments separately).
 
     NOTE: measured 8K-token decode, SmolLM2 shapes, 1 thread: the packed kernel alone 1.0
     ms, plus the full-precision segment in eager torch (rope, matmuls, LSE merge) 1.9 ms in
@@ -276,7 +279,7 @@ def fused_attention(
     if lib is None:
         return None
     return _cpp_attention(lib, q, k, v, k_spec, v_spec, fk, fv, scale, mask, fp_mask, rope,
-                          k_positions, fp_positions)
+                          k_positions, fp_positions, check_positions)
 
 
 # --------------------------------------------------------------------------- C++ path
@@ -357,14 +360,16 @@ def _bh(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return t, t.stride(0), t.stride(1)
 
 
-def _positions(pos: torch.Tensor | None, b: int, t: int, rope: RotarySpec) -> torch.Tensor:
+def _positions(
+    pos: torch.Tensor | None, b: int, t: int, rope: RotarySpec, check: bool = True
+) -> torch.Tensor:
     if pos is None:
         raise CacheError("pre-RoPE keys need positions [B, Tk]")
     pos = pos.to(torch.int64).contiguous()
     if pos.shape != (b, t):
         raise CacheError(f"positions must be [B, Tk] = {(b, t)}, got {tuple(pos.shape)}")
     # The kernel indexes the table with these: check, never read out of bounds.
-    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= rope.max_positions):
+    if check and pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= rope.max_positions):
         raise CacheError(f"positions exceed the rotary table ({rope.max_positions} rows)")
     return pos
 
@@ -384,6 +389,7 @@ def _cpp_attention(
     rope: RotarySpec | None,
     k_positions: torch.Tensor | None,
     fp_positions: torch.Tensor | None,
+    check_positions: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, hq, tq, dk = q.shape
     kc, ks, kz = k
@@ -448,11 +454,11 @@ def _cpp_attention(
             p.fmask = fm.data_ptr()
             p.f0, p.f1, p.f2, p.f3 = fm.stride()
         if rope is not None:
-            fpos = _positions(fp_positions, b, tf, rope)
+            fpos = _positions(fp_positions, b, tf, rope, check_positions)
             keep.append(fpos)
             p.fpos, p.fpos_sb = fpos.data_ptr(), fpos.stride(0)
     if rope is not None:
-        kpos = _positions(k_positions, b, tk, rope)
+        kpos = _positions(k_positions, b, tk, rope, check_positions)
         cos, sin = _compact_rope(rope)
         keep += [kpos, cos, sin]
         p.kpos, p.kpos_sb = kpos.data_ptr(), kpos.stride(0)
