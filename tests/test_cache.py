@@ -146,7 +146,7 @@ def test_bf16_cache() -> None:
 # --------------------------------------------------------------------------- segmentation
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     sizes=st.lists(st.integers(1, 40), min_size=1, max_size=8),
     residual=st.sampled_from((0, 5, 32)),

@@ -43,7 +43,7 @@ def path(request, monkeypatch) -> str:
 # --------------------------------------------------------------------------- quantize
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     bits=st.sampled_from((1, 2, 3, 4, 8, 16)),
     axis=st.sampled_from(("channel", "token")),
