@@ -314,3 +314,13 @@ def test_rope_table_given_at_attend_time() -> None:
     post.append(k, v)
     with pytest.raises(CacheError, match="pre_rope"):
         post.attend(q, rope=grown)
+
+
+@pytest.mark.parametrize("tq", (1, 4))
+def test_attend_without_the_cpp_kernel(monkeypatch, tq: int) -> None:
+    """The eager segment-by-segment path (no compiler) gives the same attention."""
+    monkeypatch.setenv("KVPOLICY_NO_CPP", "1")
+    layer = PackedKVLayer(K2, V2, residual=16, sinks=4, rope=ROPES["partial"], backend="torch")
+    layer.append(torch.randn(1, 3, 150, 64), torch.randn(1, 3, 150, 64))
+    q = torch.randn(1, 9, tq, 64)
+    torch.testing.assert_close(layer.attend(q), expected_attention(layer, q), atol=1e-5, rtol=1e-5)
