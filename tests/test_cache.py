@@ -73,7 +73,7 @@ def same(a, b) -> bool:
 # --------------------------------------------------------------------------- attention
 
 
-@pytest.mark.parametrize("t", (1, 31, 33, 257))
+@pytest.mark.parametrize("t", (1, 33, 257))
 @pytest.mark.parametrize("tq", (1, 7))
 @pytest.mark.parametrize("hq,hkv", ((9, 3), (4, 1)))
 @pytest.mark.parametrize("rope", ROPES)
@@ -148,7 +148,7 @@ def test_bf16_cache() -> None:
 
 @settings(max_examples=15, deadline=None)
 @given(
-    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=5),
     residual=st.sampled_from((0, 5, 32)),
     sinks=st.sampled_from((0, 3)),
     vbits=st.sampled_from((2, 3, 16)),

@@ -100,9 +100,9 @@ def cpp(monkeypatch) -> str:
     return "cpp"
 
 
-@pytest.mark.parametrize("tk", (32, 96, 544))
+@pytest.mark.parametrize("tk", (96, 544))
 @pytest.mark.parametrize("tq", (1, 5))
-@pytest.mark.parametrize("hq,hkv", ((9, 3), (4, 1), (2, 2)))
+@pytest.mark.parametrize("hq,hkv", ((9, 3), (4, 1), (3, 3)))
 @pytest.mark.parametrize("rope", ROPES)
 def test_cpp_packed_attention_matches_reference(cpp, tk, tq, hq, hkv, rope) -> None:
     check_packed_attention(tk, tq, hq, hkv, rope)
