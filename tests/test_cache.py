@@ -324,3 +324,12 @@ def test_attend_without_the_cpp_kernel(monkeypatch, tq: int) -> None:
     layer.append(torch.randn(1, 3, 150, 64), torch.randn(1, 3, 150, 64))
     q = torch.randn(1, 9, tq, 64)
     torch.testing.assert_close(layer.attend(q), expected_attention(layer, q), atol=1e-5, rtol=1e-5)
+
+
+def test_long_prefill_takes_the_eager_path() -> None:
+    """Above the C++ kernel's row limit (3 x 400 query rows per kv head) attention runs
+    segment by segment in eager torch; the result is the same."""
+    layer = PackedKVLayer(K2, V2, residual=32, sinks=4, rope=ROPES["half"], backend="torch")
+    layer.append(torch.randn(1, 3, 400, 64), torch.randn(1, 3, 400, 64))
+    q = torch.randn(1, 9, 400, 64)
+    torch.testing.assert_close(layer.attend(q), expected_attention(layer, q), atol=1e-5, rtol=1e-5)
