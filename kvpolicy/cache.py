@@ -400,23 +400,26 @@ class PackedKVLayer:
         assert t is not None
         return t.dtype
 
-    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cache as the attention sees it, ``(k, v)`` ``[B, Hkv, seq_len, D]`` in the
-        storage dtype. Keys are as stored (pre-RoPE when ``rope`` is set)."""
+    def dequantized(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache as the attention sees it, ``(k, v)`` ``[B, Hkv, seq_len, D]``.
+
+        Packed groups are dequantized in fp32 (as attention does) and returned in ``dtype``
+        (default: the storage dtype). Keys are as stored (pre-RoPE when ``rope`` is set).
+        """
         if self._shape is None:
             raise CacheError("the cache is empty; append() first")
-        store = self._store_dtype()
+        store = self._store_dtype() if dtype is None else dtype
         ks, vs = [], []
         if self._sink_k is not None:
-            ks.append(self._sink_k)
-            vs.append(self._sink_v)
+            ks.append(self._sink_k.to(store))
+            vs.append(self._sink_v.to(store))
         if self._n_packed:
             pk, pv = self._packed()
             ks.append(_ref.dequantize(pk, self.key_spec, store))
             vs.append(_ref.dequantize(pv, self.value_spec, store))
         if self._res_k is not None:
-            ks.append(self._res_k)
-            vs.append(self._res_v)
+            ks.append(self._res_k.to(store))
+            vs.append(self._res_v.to(store))
         return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
     def _validate_query(self, query: Any, attn_mask: Any) -> None:

@@ -35,8 +35,7 @@ ROPES = {
 
 def expected_attention(layer: PackedKVLayer, q: torch.Tensor, mask=None, causal=True):
     """fp attention over the dequantized cache, keys rotated at their stored positions."""
-    k, v = layer.dequantized()
-    k, v = k.float(), v.float()
+    k, v = layer.dequantized(torch.float32)
     if layer.rope is not None:
         k = ref.apply_rope(k, layer.positions(), layer.rope)
     tq, total = q.shape[2], k.shape[2]
@@ -133,14 +132,19 @@ def test_full_precision_specs_equal_plain_attention() -> None:
     torch.testing.assert_close(layer.attend(q), expected, atol=1e-6, rtol=1e-6)
 
 
-def test_bf16_cache() -> None:
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("tq", (1, 3))
+def test_half_precision_cache(dtype: torch.dtype, tq: int) -> None:
+    """Scales, zeros and fp tokens stored in half precision are read as stored: the fp32
+    attention over the dequantized cache matches closely; the output is in the query dtype."""
     layer = PackedKVLayer(K2, V2, residual=16, sinks=4, rope=ROPES["half"], backend="torch")
-    layer.append(torch.randn(1, 3, 100, 64, dtype=torch.bfloat16),
-                 torch.randn(1, 3, 100, 64, dtype=torch.bfloat16))
-    q = torch.randn(1, 9, 1, 64, dtype=torch.bfloat16)
-    out = layer.attend(q)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), expected_attention(layer, q), atol=2e-2, rtol=2e-2)
+    layer.append(torch.randn(1, 3, 100, 64, dtype=dtype), torch.randn(1, 3, 100, 64, dtype=dtype))
+    q = torch.randn(1, 9, tq, 64)
+    torch.testing.assert_close(layer.attend(q), expected_attention(layer, q), atol=1e-5, rtol=1e-5)
+    out = layer.attend(q.to(dtype))
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected_attention(layer, q.to(dtype)),
+                               atol=1e-2, rtol=1e-2)
 
 
 # --------------------------------------------------------------------------- segmentation

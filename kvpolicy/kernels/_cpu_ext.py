@@ -60,23 +60,24 @@ struct Params {
   const float* q;                            // [B, Hkv*rep, Tq, Dk] contiguous, pre-scaled
   // packed segment (Tk tokens, may be 0)
   const uint8_t* kc; int64_t kc_sb, kc_sh;   // [.., Tk/Gk, Gk*kb/8, Dk]
-  const float* ks; int64_t ks_sb, ks_sh;     // [.., Tk/Gk, Dk]
-  const float* kz; int64_t kz_sb, kz_sh;
+  const void* ks; int64_t ks_sb, ks_sh;      // [.., Tk/Gk, Dk] storage type (KVP_SDT)
+  const void* kz; int64_t kz_sb, kz_sh;
   const uint8_t* vc; int64_t vc_sb, vc_sh;   // [.., Tk, Dv*vb/8]
-  const float* vs; int64_t vs_sb, vs_sh;     // [.., Tk, Dv/Gv]
-  const float* vz; int64_t vz_sb, vz_sh;
+  const void* vs; int64_t vs_sb, vs_sh;      // [.., Tk, Dv/Gv] storage type
+  const void* vz; int64_t vz_sb, vz_sh;
   const float* mask; int64_t m0, m1, m2, m3; // additive over Tk, broadcast strides; or null
   const int64_t* kpos; int64_t kpos_sb;      // [B, Tk]; null when no rope
   // full-precision segment (Tf tokens, may be 0): sinks + residual window
   int64_t Tf;
-  const float* fk; int64_t fk_sb, fk_sh;     // [.., Tf, Dk]
-  const float* fv; int64_t fv_sb, fv_sh;     // [.., Tf, Dv]
+  const void* fk; int64_t fk_sb, fk_sh;      // [.., Tf, Dk] storage type
+  const void* fv; int64_t fv_sb, fv_sh;      // [.., Tf, Dv] storage type
   const float* fmask; int64_t f0, f1, f2, f3;
   const int64_t* fpos; int64_t fpos_sb;      // [B, Tf]
   // rotary tables
   const float* cosc; const float* sinc;      // [P, >= half], rows rope_rs floats apart
   int64_t half, rope_style;                  // 0 none, 1 rotate_half, 2 interleaved
   int64_t rope_rs;
+  int64_t sdt;                               // storage type, must equal KVP_SDT
   float* out;                                // [B, Hq, Tq, Dv]
   float* lse;                                // [B, Hq, Tq]
 };
@@ -93,6 +94,44 @@ template <int BITS> struct Unit {
 };
 
 const float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// Storage type of scales, zeros and full-precision tokens (-DKVP_SDT): 0 fp32, 1 bf16,
+// 2 fp16. Read as-is and widened in registers, so a half-precision cache needs no fp32
+// copy per call.
+#if KVP_SDT == 0
+typedef float SType;
+inline float to_f32(float x) { return x; }
+#elif KVP_SDT == 1
+typedef uint16_t SType;
+inline float to_f32(uint16_t x) {
+  const uint32_t u = (uint32_t)x << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+#else
+typedef uint16_t SType;
+inline float to_f32(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  uint32_t u;
+  if (e == 31) {
+    u = sign | 0x7f800000u | (m << 13);
+  } else if (e != 0) {
+    u = sign | ((e + 112) << 23) | (m << 13);
+  } else {
+    const float f = std::ldexp((float)m, -24);
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+#endif
 constexpr int64_t Dk = KVP_DK, Dv = KVP_DV, Gk = KVP_GK, Gv = KVP_GV;
 
 // exp(x) for x <= 0 (and -inf), relative error ~2e-7, written so that gcc vectorises it.
@@ -167,12 +206,15 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
     for (int64_t g0 = t0; g0 < tn; g0 += Gk) {
       const int64_t nt = std::min(Gk, tn - g0);
       if (FP) {
-        std::memcpy(K, P.fk + b * P.fk_sb + h * P.fk_sh + g0 * Dk, sizeof(float) * nt * Dk);
+        const SType* src = (const SType*)P.fk + b * P.fk_sb + h * P.fk_sh + g0 * Dk;
+        for (int64_t e = 0; e < nt * Dk; ++e) K[e] = to_f32(src[e]);
       } else {
         const int64_t grp = g0 / Gk;
         const uint8_t* codes = P.kc + b * P.kc_sb + h * P.kc_sh + grp * kbytes * Dk;
-        const float* sc = P.ks + b * P.ks_sb + h * P.ks_sh + grp * Dk;
-        const float* zc = P.kz + b * P.kz_sb + h * P.kz_sh + grp * Dk;
+        const SType* scs = (const SType*)P.ks + b * P.ks_sb + h * P.ks_sh + grp * Dk;
+        const SType* zcs = (const SType*)P.kz + b * P.kz_sb + h * P.kz_sh + grp * Dk;
+        alignas(64) float sc[Dk], zc[Dk];
+        for (int64_t d = 0; d < Dk; ++d) { sc[d] = to_f32(scs[d]); zc[d] = to_f32(zcs[d]); }
         for (int u = 0; u < Gk / KU::per; ++u) {
           const uint8_t* row = codes + (int64_t)u * KU::bytes * Dk;
           for (int64_t d = 0; d < Dk; ++d) {
@@ -261,12 +303,15 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
         if (tt >= nb) { std::fill(vrow, vrow + Dv, 0.f); continue; }
         const int64_t t = tb + tt;
         if (FP) {
-          std::memcpy(vrow, P.fv + b * P.fv_sb + h * P.fv_sh + t * Dv, sizeof(float) * Dv);
+          const SType* src = (const SType*)P.fv + b * P.fv_sb + h * P.fv_sh + t * Dv;
+          for (int64_t e = 0; e < Dv; ++e) vrow[e] = to_f32(src[e]);
           continue;
         }
         const uint8_t* row = P.vc + b * P.vc_sb + h * P.vc_sh + t * vbytes;
-        const float* stt = P.vs + b * P.vs_sb + h * P.vs_sh + t * ngv;
-        const float* ztt = P.vz + b * P.vz_sb + h * P.vz_sh + t * ngv;
+        const SType* sts = (const SType*)P.vs + b * P.vs_sb + h * P.vs_sh + t * ngv;
+        const SType* zts = (const SType*)P.vz + b * P.vz_sb + h * P.vz_sh + t * ngv;
+        float stt[ngv], ztt[ngv];
+        for (int64_t g = 0; g < ngv; ++g) { stt[g] = to_f32(sts[g]); ztt[g] = to_f32(zts[g]); }
 #if defined(__AVX2__) && defined(__FMA__)
         if constexpr (Gv % 8 == 0 && VB <= 4) {
           // NOTE: 8 codes per step: broadcast their bits, per-lane shift (vpsrlvd), mask,
@@ -408,6 +453,7 @@ void run(const Params& P) {
 // inner loop has a compile-time trip count.
 extern "C" int kvp_packed_attention(const Params* P, int kbits, int vbits) {
   if (kbits != KVP_KB || vbits != KVP_VB || P->Dk != KVP_DK || P->Dv != KVP_DV ||
+      P->sdt != KVP_SDT ||
       P->Gk != KVP_GK || P->Gv != KVP_GV || (P->rope_style != 0 && P->half != KVP_HALF))
     return 1;
   run<KVP_KB, KVP_VB>(*P);
@@ -449,6 +495,7 @@ class Params(ctypes.Structure):
         ("cosc", ctypes.c_void_p), ("sinc", ctypes.c_void_p),
         ("half", ctypes.c_int64), ("rope_style", ctypes.c_int64),
         ("rope_rs", ctypes.c_int64),
+        ("sdt", ctypes.c_int64),
         ("out", ctypes.c_void_p), ("lse", ctypes.c_void_p),
     ]
 
@@ -467,7 +514,7 @@ def _cpu_flags() -> str:
     return ""
 
 
-_DEFINES = ("KVP_KB", "KVP_VB", "KVP_GK", "KVP_GV", "KVP_DK", "KVP_DV", "KVP_HALF")
+_DEFINES = ("KVP_KB", "KVP_VB", "KVP_GK", "KVP_GV", "KVP_DK", "KVP_DV", "KVP_HALF", "KVP_SDT")
 
 
 def _build_dir(config: tuple[int, ...]) -> Path:
@@ -477,16 +524,16 @@ def _build_dir(config: tuple[int, ...]) -> Path:
 
 
 def load(
-    kbits: int, vbits: int, gk: int, gv: int, dk: int, dv: int, half: int = 0
+    kbits: int, vbits: int, gk: int, gv: int, dk: int, dv: int, half: int = 0, sdt: int = 0
 ) -> ctypes.CDLL | None:
-    """The kernel library specialised for these bits, group sizes, head dims and rotary
-    half-width (0: no RoPE), built on first use (~1 s); None if it cannot be built (the
-    caller then uses the eager path; the reason is logged once). ``KVPOLICY_NO_CPP=1``
-    disables it.
+    """The kernel library specialised for these bits, group sizes, head dims, rotary
+    half-width (0: no RoPE) and storage type of scales/zeros/fp tokens (0 fp32, 1 bf16,
+    2 fp16), built on first use (~1 s); None if it cannot be built (the caller then uses
+    the eager path; the reason is logged once). ``KVPOLICY_NO_CPP=1`` disables it.
     """
     if os.environ.get("KVPOLICY_NO_CPP", "") not in ("", "0"):
         return None
-    key = (kbits, vbits, gk, gv, dk, dv, half)
+    key = (kbits, vbits, gk, gv, dk, dv, half, sdt)
     if key in _libs:
         return _libs[key]
     with _lock:
