@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -152,6 +151,7 @@ class PackedKVLayer:
         self.backend = backend
         self.dtype = dtype
         self.chunk = math.lcm(key_spec.token_group, value_spec.token_group)
+        self._warned_triton = False
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -312,10 +312,11 @@ class PackedKVLayer:
                     f"backend='triton' needs kvpolicy.kernels.triton_attention and "
                     f"triton_quant, which failed to import ({e}); use backend='torch'"
                 ) from e
-            log.warning("Triton kernels unavailable (%s); using the torch backend", e)
+            if not self._warned_triton:
+                log.warning("Triton kernels unavailable (%s); using the torch backend", e)
+                self._warned_triton = True
             return _torch_backend.quantize, _torch_backend.packed_attention_partial
-        mods: tuple[ModuleType, ModuleType] = (triton_quant, triton_attention)
-        return mods[0].quantize, mods[1].packed_attention_partial
+        return triton_quant.quantize, triton_attention.packed_attention_partial
 
     # ------------------------------------------------------------------ append
 
@@ -358,8 +359,12 @@ class PackedKVLayer:
             qk = quantize(res_k[:, :, :n], self.key_spec, store)
             qv = quantize(res_v[:, :, :n], self.value_spec, store)
             # Full-precision specs have empty scale/zero: those buffers stay empty.
-            pk = tuple(b if x.numel() == 0 else b.appended(x) for b, x in zip(pk, qk, strict=True))
-            pv = tuple(b if x.numel() == 0 else b.appended(x) for b, x in zip(pv, qv, strict=True))
+            pk = tuple(
+                buf if x.numel() == 0 else buf.appended(x) for buf, x in zip(pk, qk, strict=True)
+            )
+            pv = tuple(
+                buf if x.numel() == 0 else buf.appended(x) for buf, x in zip(pv, qv, strict=True)
+            )
             n_packed += n
             res_k, res_v = res_k[:, :, n:].contiguous(), res_v[:, :, n:].contiguous()
         new_pos, max_pos = self._pos, self._max_pos
