@@ -525,11 +525,8 @@ class PackedKVLayer:
                 )
             )
         # Sinks and residual are both full precision: one segment, one matmul pair.
-        fk = [t for t in (self._sink_k, self._res_k) if t is not None and t.shape[2]]
-        if fk:
-            fv = [t for t in (self._sink_v, self._res_v) if t is not None and t.shape[2]]
-            k = torch.cat(fk, dim=2) if len(fk) > 1 else fk[0]
-            v = torch.cat(fv, dim=2) if len(fv) > 1 else fv[0]
+        k, v = self._fp_segment()
+        if k is not None and v is not None:
             if rope is not None:
                 p = self._pos.view()
                 fpos = torch.cat((p[:, :ns], p[:, ns + npk :]), dim=1).long()
