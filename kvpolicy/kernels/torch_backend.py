@@ -3,10 +3,17 @@
 Same signatures as :mod:`kvpolicy.kernels.reference`. No Python loop runs over tokens or
 groups. Two paths for :func:`packed_attention_partial`:
 
-* a fused C++ kernel (:mod:`kvpolicy.kernels._cpu_ext`) for CPU decode-sized queries,
-  which reads each packed byte once and never materialises a dequantized cache;
-* an eager path (any device, any query length, or when no compiler is available):
-  word-wise unpack, dequantize, rotate, one batched matmul pair.
+* a fused C++ kernel (:mod:`kvpolicy.kernels._cpu_ext`) on CPU for up to
+  ``_CPP_MAX_ROWS`` query rows per kv head (decode, chunked prefill), which reads each
+  packed byte once and never materialises a dequantized cache; :func:`fused_attention`
+  also folds the cache's full-precision tokens into the same call;
+* an eager path (other devices, longer prefills, layouts the kernel does not cover, or no
+  compiler): word-wise unpack, dequantize, rotate, one matmul pair with GQA folded into
+  query rows.
+
+Measured here (8K tokens, SmolLM2 shapes, 2-bit, rope; 2 threads, shared machine): C++
+0.9-1.1 ms, the eager path 8.6-18 ms, the eager path under ``torch.compile`` 2.3-2.6 ms
+after a 19 s compile.
 """
 
 from __future__ import annotations
@@ -264,9 +271,10 @@ def fused_attention(
     ``None`` when the C++ kernel does not cover these inputs (the caller then runs the
     segments separately).
 
-    NOTE: measured 8K-token decode, SmolLM2 shapes, 1 thread: the packed kernel alone 1.0
-    ms, plus the full-precision segment in eager torch (rope, matmuls, LSE merge) 1.9 ms in
-    all; folding the ~160 full-precision tokens into the same call removes that overhead.
+    NOTE: 8K-token decode step, SmolLM2 shapes, 1 thread (min): with the ~160
+    full-precision tokens in eager torch (rope, matmuls, LSE merge) a whole ``attend`` took
+    1.7-1.9 ms against 1.0-1.3 ms for the packed kernel alone; folded into the same call,
+    0.95 ms (kernel 0.71 ms).
     """
     if not _cpp_supported(q, k, k_spec, v_spec, rope):
         return None
