@@ -5,7 +5,10 @@ is a :class:`PackedKVLayer` (keys per-channel pre-RoPE, values per-token, 2 bits
 R=128, 4 sinks) on the torch backend, timed through ``attend`` (the whole step: sinks,
 packed groups and residual in one softmax, keys rotated at their positions). SDPA runs
 over plain caches with ``enable_gqa=True`` (keys already rotated). All methods are timed
-in one run with their repetitions interleaved; the table shows medians.
+in one run with their repetitions interleaved; the table shows medians. Interleaving also
+means every call starts with caches disturbed by the other methods, as a decode step does
+inside a model: the packed step measured ~0.5 ms faster at 8K when timed alone.
+The machine is shared: the header prints the load average, read the ratios with it.
 
     .venv/bin/python bench/cpu_attention.py [--threads 2] [--tokens 1024 8192]
 """
