@@ -87,11 +87,12 @@ def _unit(bits: int) -> tuple[int, int]:
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Same contract as :func:`reference.pack_bits`, one word per byte-aligned unit.
+    """Same contract as :func:`reference.pack_bits`: OR the codes of each byte-aligned unit
+    together (a loop over the <= 8 code slots of a unit, not over tokens or groups).
 
-    Packing a unit of codes into an int64 word and splitting the word into bytes touches
-    each code once; the reference expands every code to ``bits`` single-bit elements
-    first (8x the temporaries). Not benchmarked: packing runs once per chunk.
+    NOTE: quantize of [1, 3, 8192, 64] at 2 bits, 2 threads: 14.0 ms (keys) / 6.5 ms
+    (values) with an int64 word per unit built by a shifted sum over the unit dim; 2.8 /
+    3.8 ms with this OR of strided uint8 slices.
     """
     if bits == 8:
         return codes
@@ -99,11 +100,18 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     n = codes.shape[-1]
     if n % per != 0:
         raise CacheError(f"pack_bits: {n} codes of {bits} bits do not fill whole bytes")
-    dev = codes.device
-    c = codes.reshape(*codes.shape[:-1], n // per, per).to(torch.int64)
-    word = (c << (torch.arange(per, device=dev) * bits)).sum(dim=-1, keepdim=True)
-    out = (word >> (torch.arange(nbytes, device=dev) * 8)) & 0xFF
-    return out.to(torch.uint8).reshape(*codes.shape[:-1], n // per * nbytes)
+    lead = codes.shape[:-1]
+    c = codes.reshape(*lead, n // per, per)
+    if nbytes == 1:
+        out = c[..., 0].clone()
+        for i in range(1, per):
+            out |= c[..., i] << (i * bits)
+        return out
+    word = c[..., 0].to(torch.int32)
+    for i in range(1, per):
+        word |= c[..., i].to(torch.int32) << (i * bits)
+    out = torch.stack([((word >> (8 * j)) & 0xFF).to(torch.uint8) for j in range(nbytes)], -1)
+    return out.reshape(*lead, n // per * nbytes)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
