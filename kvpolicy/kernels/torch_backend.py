@@ -107,9 +107,10 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         for i in range(1, per):
             out |= c[..., i] << (i * bits)
         return out
-    word = c[..., 0].to(torch.int32)
+    wide = torch.int32 if per * bits <= 31 else torch.int64  # 5-7 bits: 40-56-bit units
+    word = c[..., 0].to(wide)
     for i in range(1, per):
-        word |= c[..., i].to(torch.int32) << (i * bits)
+        word |= c[..., i].to(wide) << (i * bits)
     out = torch.stack([((word >> (8 * j)) & 0xFF).to(torch.uint8) for j in range(nbytes)], -1)
     return out.reshape(*lead, n // per * nbytes)
 
