@@ -3,8 +3,6 @@
     python examples/derive_policy.py
 """
 
-from pathlib import Path
-
 import kvpolicy
 from kvpolicy.testing import GptFast, tiny_model
 
@@ -16,7 +14,9 @@ print()
 print(kvpolicy.derive_policy(GptFast(), bits=4))
 print()
 
-# The same model under a YAML file with overrides: rows that differ from what the graph
+# The same model with overrides: rows that differ from what the graph
 # implies are marked, and their reason says what was derived.
-yaml_file = Path(__file__).with_name("keys_4bit_first_layers.yaml")
-print(kvpolicy.derive_policy(tiny_model("llama"), policy=yaml_file))
+# (the file targets SmolLM2's 30 layers; the tiny llama has 2, so a dict is used here)
+print(kvpolicy.derive_policy(tiny_model("llama"), policy={
+    "overrides": [{"layers": 0, "tensor": "key", "bits": 4},
+                  {"layers": "*", "tensor": "value", "axis": "channel"}]}))

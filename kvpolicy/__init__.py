@@ -5,17 +5,22 @@ product over channels; values: a softmax-weighted sum over tokens), derives the 
 axis, bit width and RoPE ordering of each tensor from that, and stores a packed low-bit
 cache that attention reads directly.
 
-    policy = kvpolicy.derive_policy(model, bits=2)
+    model = kvpolicy.compile_model(model, bits=2)
     print(kvpolicy.inspect(model))
+    model.generate(...)
 """
 
 from .api import analyse_model, derive_policy, inspect
+from .compiler import compile_model
 from .errors import AnalysisError, CacheError, KVPolicyError, PolicyError, ZooError
+from .model_cache import KVPolicyCache
 from .policy import Axis, ModelPolicy, PolicySpec, TensorKind, TensorPolicy, load_spec
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "compile_model",
+    "KVPolicyCache",
     "analyse_model",
     "derive_policy",
     "inspect",

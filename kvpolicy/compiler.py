@@ -27,7 +27,6 @@ from .api import BlockAnalysis, ModelAnalysis, analyse_model, derive_policy
 from .errors import KVPolicyError, PolicyError
 from .model_cache import KVPolicyCache, KVPolicyLayer, _packed_layer
 from .passes import rewrite as rw
-from .passes.contraction import op_name
 from .passes.trace import AttentionCall, _is_cache_object, _path_str, trace_block
 from .policy import ModelPolicy, load_spec
 
@@ -138,8 +137,10 @@ class CompiledModel:
     originals: dict[int, Any]  # id(module) -> original bound forward (instance dict entry)
     cache_kw: str | None = None
 
+    model_dtype: torch.dtype | None = None
+
     def new_cache(self) -> KVPolicyCache:
-        return KVPolicyCache(self.policy, backend=self.backend)
+        return KVPolicyCache(self.policy, backend=self.backend, model_dtype=self.model_dtype)
 
 
 class _BlockForward:
@@ -314,7 +315,8 @@ def compile_model(
     cache_kw = "cache" if "cache" in params else (
         "past_key_values" if "past_key_values" in params else None
     )
-    compiled = CompiledModel(pol, backend, analysis, kinds, layer_kind, {}, cache_kw)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    compiled = CompiledModel(pol, backend, analysis, kinds, layer_kind, {}, cache_kw, dtype)
     for i, module in enumerate(analysis.modules):
         compiled.originals[id(module)] = module.__dict__.get("forward")
         module.forward = _BlockForward(compiled, module, i)
@@ -341,7 +343,24 @@ def _install_model_hooks(model: nn.Module, compiled: CompiledModel) -> None:
     has_use_cache = "use_cache" in _inspect.signature(orig_forward).parameters
     kw = compiled.cache_kw
 
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+    def check_length(args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if not isinstance(ids, torch.Tensor) or ids.dim() < 2 or not limit:
+            return
+        cache = kwargs.get("cache") or kwargs.get("past_key_values")
+        past = cache.get_seq_length() if isinstance(cache, KVPolicyCache) else 0
+        if past + ids.shape[1] > limit:
+            raise KVPolicyError(
+                f"{past + ids.shape[1]} tokens ({past} cached + {ids.shape[1]} new) exceed "
+                f"the model's max_position_embeddings={limit}; shorten the input"
+            )
+
     def forward(*args, **kwargs):
+        check_length(args, kwargs)
         if kw is not None and has_use_cache:
             use = kwargs.get("use_cache")
             if use is None:

@@ -150,9 +150,11 @@ class KVPolicyCache(_HFCache):
     build one explicitly with ``KVPolicyCache.for_model(model)``.
     """
 
-    def __init__(self, policy: ModelPolicy, *, backend: str = "auto") -> None:
+    def __init__(
+        self, policy: ModelPolicy, *, backend: str = "auto", model_dtype: torch.dtype | None = None
+    ) -> None:
         layers = [
-            KVPolicyLayer(_packed_layer(policy, i, backend), i)
+            KVPolicyLayer(_packed_layer(policy, i, backend, model_dtype), i)
             for i in sorted({t.layer for t in policy.tensors})
         ]
         super().__init__(layers=layers)
@@ -167,7 +169,7 @@ class KVPolicyCache(_HFCache):
             raise KVPolicyError(
                 f"{type(model).__name__} is not compiled; call kvpolicy.compile_model first"
             )
-        return cls(compiled.policy, backend=compiled.backend)
+        return compiled.new_cache()
 
     def packed_layer(self, layer_idx: int) -> KVPolicyLayer:
         if layer_idx >= len(self.layers):
@@ -196,7 +198,8 @@ class KVPolicyCache(_HFCache):
                 self.tables.append(table)
             layer.rope_table = table
         if table.tokens == start:
-            table.append(cos, sin, ptr)
+            store = layer.packed.dtype or cos.dtype
+            table.append(cos.to(store), sin.to(store), ptr)
         elif table.tokens < start + t:
             raise CacheError(
                 f"layer {layer.layer_idx}: RoPE table holds {table.tokens} tokens, expected "
@@ -225,10 +228,26 @@ class KVPolicyCache(_HFCache):
         }
 
 
-def _packed_layer(policy: ModelPolicy, layer: int, backend: str) -> PackedKVLayer:
+def storage_dtype(policy_bits: tuple[int, int], model_dtype: torch.dtype | None):
+    """Dtype of a layer's full-precision tokens and scales/zeros.
+
+    A quantized layer of an fp32 model stores them in fp16: the quantization error is
+    orders of magnitude above fp16 rounding, and fp16 is what the cache is measured
+    against. A full-precision layer (bits 16) keeps the model's dtype, so that
+    compiling with ``bits=16`` is exact.
+    """
+    if model_dtype == torch.float32 and min(policy_bits) < 16:
+        return torch.float16
+    return None  # the dtype of the first append
+
+
+def _packed_layer(
+    policy: ModelPolicy, layer: int, backend: str, model_dtype: torch.dtype | None = None
+) -> PackedKVLayer:
     k, v = policy.get(layer, "key"), policy.get(layer, "value")
     return PackedKVLayer(
         QuantSpec(k.bits, k.group_size, k.axis.value),
         QuantSpec(v.bits, v.group_size, v.axis.value),
-        residual=k.residual, sinks=k.sinks, backend=backend,
+        residual=k.residual, sinks=k.sinks, backend=backend, pre_rope=k.pre_rope,
+        dtype=storage_dtype((k.bits, v.bits), model_dtype),
     )

@@ -126,6 +126,9 @@ class KVAttend(nn.Module):
         self.scale, self.causal, self.mask_kind = scale, causal, mask_kind
         self.rope_style, self.complex_rope = rope_style, complex_rope
         self.cos_layout, self.sin_layout = cos_layout, sin_layout
+        # The replaced consumer's output memory layout: later views in the graph were
+        # traced against it (SDPA on CPU returns [B, T, H, D]-major storage).
+        self.tokens_major = False
 
     def extra_repr(self) -> str:
         return (
@@ -153,21 +156,56 @@ class KVAttend(nn.Module):
         k = self.key_layout.apply(k)
         v = self.value_layout.apply(v)
         start = packed.seq_len
-        positions = None
+        positions = rope = None
         if self.rope_style is not None:
             c, s = self._rope_rows(cos, sin)
             ptr = cos.untyped_storage().data_ptr()
             table = cache.rope_rows(layer, c, s, start, self.rope_style, ptr)
-            packed.rope = table.spec()
+            rope = table.spec()
             positions = table.indices(start, k.shape[2], k.shape[0], k.device)
-        packed.append(k, v, positions)
         attn_mask = None
         if mask is not None:
             attn_mask = mask if self.mask_kind != "fill" else ~mask
             while attn_mask.dim() < 4:
                 attn_mask = attn_mask.unsqueeze(0)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        return packed.attend(q, scale=scale, attn_mask=attn_mask, causal=self.causal)
+        if start == 0 and q.shape[2] > 1:
+            # A prefill attends over its own keys and values in full precision (KIVI): the
+            # cache stores them quantized for the steps that follow.
+            out = _prefill_attention(q, k, v, attn_mask, self.causal, scale, rope, positions)
+            packed.append(k, v, positions)
+        else:
+            packed.append(k, v, positions)
+            out = packed.attend(
+                q, scale=scale, attn_mask=attn_mask, causal=self.causal, rope=rope
+            )
+        if self.tokens_major:
+            out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        return out
+
+
+def _prefill_attention(q, k, v, attn_mask, causal, scale, rope, positions) -> torch.Tensor:
+    """Full-precision attention of a prefill over its own tokens ``[B, H, T, D]``."""
+    from ..kernels import reference as ref
+    from ..kernels import torch_backend
+
+    if rope is not None:
+        k = ref.apply_rope(k, positions, rope)
+    t = q.shape[2]
+    if attn_mask is not None:
+        add = attn_mask
+        if attn_mask.dtype == torch.bool:
+            add = torch.zeros(attn_mask.shape, device=q.device).masked_fill_(
+                ~attn_mask, float("-inf")
+            )
+        add = add.float()
+    elif causal:
+        add = torch.full((t, t), float("-inf"), device=q.device).triu_(1)[None, None]
+    else:
+        add = None
+    out, _ = torch_backend.attention_partial(q.float(), k.float(), v.float(), scale=scale,
+                                             mask=add)
+    return out.to(q.dtype)
 
 
 @dataclass
@@ -304,6 +342,9 @@ def rewrite_block(
         cos_layout=cos_l, sin_layout=sin_l,
     )
     target = m(consumer.node)
+    val = consumer.node.meta.get("val")
+    if isinstance(val, torch.Tensor) and not val.is_contiguous():
+        attend.tokens_major = val.transpose(1, 2).is_contiguous()
     if _shape(consumer.node) != _shape(q)[:3] + (_shape(consumer.value)[-1],):
         raise KVPolicyError(
             f"the attention output {consumer.node.format_node()} is not laid out like the "
@@ -314,6 +355,7 @@ def rewrite_block(
                                              cos_n, sin_n))
         call.meta = dict(target.meta)
     target.replace_all_uses_with(call)
+    new.erase_node(target)  # SDPA counts as impure (dropout RNG): dead-code elim. keeps it
     # Attention weights returned by eager implementations are not available any more.
     if consumer.softmax is not None:
         out = next(n for n in new.nodes if n.op == "output")
@@ -372,7 +414,8 @@ def rw_keep(node: fx.Node) -> bool:
     """Nodes dead-code elimination must keep: the cache op and in-place writes."""
     if node.op in ("call_module", "placeholder", "output"):
         return True
-    return node.op == "call_function" and node.is_impure()
+    # Random ops (dropout) in eval-mode attention are dead once the consumer is replaced.
+    return node.op == "call_function" and node.is_impure(impure_random=False)
 
 
 def _mul_partner(pos: fx.Node) -> fx.Node:

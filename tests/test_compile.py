@@ -1,0 +1,204 @@
+"""compile_model end to end: exactness, generation, decode loops, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import kvpolicy
+from kvpolicy import AnalysisError, KVPolicyError, PolicyError
+from kvpolicy.model_cache import KVPolicyCache
+from kvpolicy.testing import TINY_ARCHITECTURES, GptFast, NanoGPT, tiny_model
+
+# Small groups and window so that a few dozen tokens really get packed.
+SMALL = {"defaults": {"bits": 2, "group_size": 16, "residual": 16, "sinks": 2}}
+
+
+def _ids(batch=2, length=9, vocab=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g)
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
+def test_full_precision_is_token_identical(arch):
+    ref, model = tiny_model(arch), tiny_model(arch)
+    kvpolicy.compile_model(model, bits=16)
+    ids = _ids()
+    with torch.no_grad():
+        want = ref.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+        got = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert torch.equal(want, got)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "codegen", "gpt2", "qwen3"])
+def test_eight_bits_stays_within_one_percent(arch):
+    ref, model = tiny_model(arch), tiny_model(arch)
+    kvpolicy.compile_model(model, policy={"defaults": {**SMALL["defaults"], "bits": 8}})
+    ids = _ids(length=41)
+    with torch.no_grad():
+        want = ref(ids[:, :40]).logits
+        out = model(ids[:, :40], use_cache=True)  # 40 >= R + G = 32: a group is packed
+        step_ref = ref(ids).logits[:, -1]
+        step = model(ids[:, 40:], past_key_values=out.past_key_values, use_cache=True)
+    rel = (step.logits[:, -1] - step_ref).norm() / step_ref.norm()
+    assert rel < 0.01, f"8-bit decode logits off by {rel:.4f} relative (limit 0.01)"
+    assert (out.logits - want).norm() / want.norm() < 0.01
+    assert out.past_key_values.layers[0].packed.n_packed > 0
+
+
+def test_generate_packs_groups_and_reports_memory():
+    model = kvpolicy.compile_model(tiny_model("llama"), policy=SMALL)
+    ids = _ids()
+    with torch.no_grad():
+        out = model.generate(
+            ids, max_new_tokens=48, do_sample=False, pad_token_id=0,
+            return_dict_in_generate=True,
+        )
+    cache = out.past_key_values
+    assert isinstance(cache, KVPolicyCache)
+    report = cache.memory_report()
+    assert report["tokens"] == ids.shape[1] + 48 - 1
+    layer = cache.layers[0].packed
+    assert layer.n_packed > 0 and layer.n_residual >= 16
+    assert report["bytes"] < report["fp16_bytes"] * 2  # fp32 model: fp16 is the yardstick
+
+
+def test_sampling_runs_and_is_seeded():
+    model = kvpolicy.compile_model(tiny_model("qwen2"), policy=SMALL)
+    ids = _ids()
+    with torch.no_grad():
+        torch.manual_seed(1)
+        a = model.generate(ids, max_new_tokens=30, do_sample=True, top_k=20, pad_token_id=0)
+        torch.manual_seed(1)
+        b = model.generate(ids, max_new_tokens=30, do_sample=True, top_k=20, pad_token_id=0)
+    assert torch.equal(a, b) and a.shape == (2, 39)
+
+
+def test_left_padded_batch_matches_unpadded_rows():
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    kvpolicy.compile_model(model, bits=16)
+    ids = _ids(batch=2, length=9)
+    padded = ids.clone()
+    padded[0, :3] = 0
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        want = ref.generate(padded, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                            pad_token_id=0)
+        got = model.generate(padded, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                             pad_token_id=0)
+    assert torch.equal(want, got)
+
+
+def test_beam_search_reorders_the_cache():
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    kvpolicy.compile_model(model, bits=16)
+    ids = _ids(batch=1)
+    with torch.no_grad():
+        want = ref.generate(ids, max_new_tokens=20, num_beams=3, do_sample=False,
+                            pad_token_id=0)
+        got = model.generate(ids, max_new_tokens=20, num_beams=3, do_sample=False,
+                             pad_token_id=0)
+    assert torch.equal(want, got)
+
+
+@pytest.mark.parametrize("keyword", ["past_key_values", "cache"])
+def test_manual_decode_loop(keyword):
+    ref, model = tiny_model("mistral"), tiny_model("mistral")
+    kvpolicy.compile_model(model, bits=16)
+    ids = _ids(length=12)
+    with torch.no_grad():
+        out = model(ids[:, :8], use_cache=True)
+        cache = out.past_key_values
+        assert isinstance(cache, KVPolicyCache)
+        for t in range(8, 12):
+            out = model(ids[:, t : t + 1], use_cache=True, **{keyword: cache})
+            cache = out.past_key_values
+        want = ref(ids).logits[:, -1]
+    torch.testing.assert_close(out.logits[:, -1], want, atol=1e-4, rtol=1e-4)
+    assert cache.get_seq_length() == 12
+
+
+def test_hand_written_modules_compile():
+    for make in (NanoGPT, GptFast):
+        ref, model = make(), make()
+        kvpolicy.compile_model(model, policy=SMALL)
+        kvpolicy.compile_model(make(), bits=16)
+        ids = _ids(length=40)
+        with torch.no_grad():
+            want, got = ref(ids), model(ids)
+        assert got.shape == want.shape
+        # 2 bits over 40 tokens (groups packed): close, not equal.
+        assert (got - want).norm() / want.norm() < 0.5
+        exact = make()
+        kvpolicy.compile_model(exact, bits=16)
+        with torch.no_grad():
+            torch.testing.assert_close(exact(ids), want, atol=1e-4, rtol=1e-4)
+
+
+def test_inspect_returns_the_policy_in_use():
+    model = kvpolicy.compile_model(tiny_model("llama"), policy="kivi-2")
+    policy = kvpolicy.inspect(model)
+    key = policy.get(0, "key")
+    assert key.axis == "channel" and not key.pre_rope and key.overridden
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_compiling_twice_is_refused():
+    model = kvpolicy.compile_model(tiny_model("llama"), bits=4)
+    with pytest.raises(KVPolicyError, match="already compiled"):
+        kvpolicy.compile_model(model, bits=2)
+
+
+class _NoAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.fc = nn.Linear(16, 50)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids))
+
+
+def test_model_without_attention_is_left_usable():
+    model = _NoAttention()
+    ids = _ids(vocab=50)
+    before = model(ids)
+    with pytest.raises(AnalysisError, match="no attention found"):
+        kvpolicy.compile_model(model)
+    torch.testing.assert_close(model(ids), before)
+    assert getattr(model, "_kvpolicy_compiled", None) is None
+
+
+def test_policy_that_does_not_fit_leaves_model_usable():
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    with pytest.raises(PolicyError, match="group_size"):
+        kvpolicy.compile_model(model, policy={"defaults": {"group_size": 24}})
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits)
+        out = model(ids, use_cache=True)
+    assert not isinstance(out.past_key_values, KVPolicyCache)
+
+
+def test_input_longer_than_positions_is_a_clear_error():
+    model = kvpolicy.compile_model(tiny_model("gpt2"), bits=4)
+    ids = _ids(length=model.config.max_position_embeddings + 1)
+    with pytest.raises(KVPolicyError, match="max_position_embeddings=256"):
+        model(ids)
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(KVPolicyError, match="backend='cuda'"):
+        kvpolicy.compile_model(tiny_model("llama"), backend="cuda")
+
+
+def test_foreign_cache_is_refused_with_the_fix():
+    from transformers import DynamicCache
+
+    model = kvpolicy.compile_model(tiny_model("llama"), bits=4)
+    with pytest.raises(KVPolicyError, match="KVPolicyCache"):
+        model(_ids(), past_key_values=DynamicCache(config=model.config), use_cache=True)
