@@ -202,3 +202,29 @@ def test_foreign_cache_is_refused_with_the_fix():
     model = kvpolicy.compile_model(tiny_model("llama"), bits=4)
     with pytest.raises(KVPolicyError, match="KVPolicyCache"):
         model(_ids(), past_key_values=DynamicCache(config=model.config), use_cache=True)
+
+
+# --------------------------------------------------------------------------- real model
+
+
+@pytest.mark.real_model
+def test_smollm2_full_precision_is_token_identical_and_8_bits_close():
+    from kvpolicy import zoo
+
+    ref, _ = zoo.load("smollm2-135m")
+    exact, _ = zoo.load("smollm2-135m")
+    eight, _ = zoo.load("smollm2-135m")
+    kvpolicy.compile_model(exact, bits=16)
+    kvpolicy.compile_model(eight, bits=8)
+    ids = _ids(batch=1, length=200, vocab=ref.config.vocab_size)
+    with torch.no_grad():
+        want = ref.generate(ids[:, :20], max_new_tokens=30, do_sample=False)
+        got = exact.generate(ids[:, :20], max_new_tokens=30, do_sample=False)
+        assert torch.equal(want, got)
+        # 8 bits with 200 tokens cached: 4 sinks, R=128, so two groups of 32 are packed.
+        out = eight(ids[:, :199], use_cache=True)
+        assert out.past_key_values.layers[0].packed.n_packed == 64
+        step = eight(ids[:, 199:], past_key_values=out.past_key_values, use_cache=True)
+        step_ref = ref(ids).logits[:, -1]
+    rel = ((step.logits[:, -1] - step_ref).norm() / step_ref.norm()).item()
+    assert rel < 0.01, f"8-bit logits off by {rel:.4f} relative (limit 0.01)"
