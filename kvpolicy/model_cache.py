@@ -198,8 +198,10 @@ class KVPolicyCache(_HFCache):
                 self.tables.append(table)
             layer.rope_table = table
         if table.tokens == start:
-            store = layer.packed.dtype or cos.dtype
-            table.append(cos.to(store), sin.to(store), ptr)
+            # NOTE: fp32 rows: the C++ decode kernel reads fp32 rotate-half tables in place
+            # and would copy a half-precision table on every call (2 bytes/value saved,
+            # ~1 ms per SmolLM2 step lost at 1K tokens).
+            table.append(cos.float(), sin.float(), ptr)
         elif table.tokens < start + t:
             raise CacheError(
                 f"layer {layer.layer_idx}: RoPE table holds {table.tokens} tokens, expected "

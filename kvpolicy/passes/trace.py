@@ -79,12 +79,20 @@ class TracedBlock:
         return self.exported.graph_module
 
 
+_CACHE_TYPES: tuple[type, ...] | None = None
+
+
 def _is_cache_object(x: Any) -> bool:
-    try:
-        from transformers.cache_utils import Cache
-    except ImportError:  # transformers is an optional extra
-        return False
-    return isinstance(x, Cache)
+    """A transformers ``Cache`` (dropped from traced calls: the block is traced pastless)."""
+    global _CACHE_TYPES
+    if _CACHE_TYPES is None:
+        try:
+            from transformers.cache_utils import Cache
+        except ImportError:  # transformers is an optional extra
+            _CACHE_TYPES = ()
+        else:
+            _CACHE_TYPES = (Cache,)
+    return bool(_CACHE_TYPES) and isinstance(x, _CACHE_TYPES)
 
 
 def _fname(func) -> str:
