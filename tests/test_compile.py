@@ -228,3 +228,29 @@ def test_smollm2_full_precision_is_token_identical_and_8_bits_close():
         step_ref = ref(ids).logits[:, -1]
     rel = ((step.logits[:, -1] - step_ref).norm() / step_ref.norm()).item()
     assert rel < 0.01, f"8-bit logits off by {rel:.4f} relative (limit 0.01)"
+
+
+class _TiledGQA(nn.Module):
+    """Two kv heads tiled (repeat) to four query heads: head h reads kv head h % 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 64)
+        self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 32)
+        self.out = nn.Linear(64, 50)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, 4, 16).transpose(1, 2)
+        k = self.k(x).view(B, T, 2, 16).transpose(1, 2).repeat(1, 2, 1, 1)
+        v = self.v(x).view(B, T, 2, 16).transpose(1, 2).repeat(1, 2, 1, 1)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(B, T, 64))
+
+
+def test_tiled_heads_are_refused_not_silently_regrouped():
+    model = _TiledGQA()
+    with pytest.raises(KVPolicyError, match="tiled by .*repeat"):
+        kvpolicy.compile_model(model, policy={"defaults": {"group_size": 16}})
+    assert getattr(model, "_kvpolicy_compiled", None) is None

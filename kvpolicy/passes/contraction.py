@@ -294,33 +294,33 @@ def _reshape_map(in_shape: tuple, out_shape: tuple, out_dim: int) -> int | None:
     exactly); an output dim maps back only when it is alone in its group, ignoring
     size-1 dims. A split (``[B, T, H*D] -> [B, T, H, D]``) or merge maps to None.
     """
-    ins = [_expr(x) for x in in_shape]
-    outs = [_expr(x) for x in out_shape]
-    i = j = 0
-    while i < len(ins) or j < len(outs):
-        gi, gj = [], []
+    sides = ([_expr(x) for x in in_shape], [_expr(x) for x in out_shape])
+    pos = [0, 0]  # next unconsumed dim of each side
+
+    def take(side: int, group: list[int], prod: sympy.Expr) -> sympy.Expr:
+        group.append(pos[side])
+        pos[side] += 1
+        return prod * sides[side][group[-1]]
+
+    def left(side: int) -> bool:
+        return pos[side] < len(sides[side])
+
+    ins, outs = sides
+    while left(0) or left(1):
+        gi: list[int] = []
+        gj: list[int] = []
         pi = pj = sympy.Integer(1)
-        if i < len(ins):
-            gi.append(i)
-            pi *= ins[i]
-            i += 1
-        if j < len(outs):
-            gj.append(j)
-            pj *= outs[j]
-            j += 1
+        if left(0):
+            pi = take(0, gi, pi)
+        if left(1):
+            pj = take(1, gj, pj)
         while sympy.simplify(pi - pj) != 0:
-            if _lt(pi, pj) and i < len(ins):
-                gi.append(i)
-                pi *= ins[i]
-                i += 1
-            elif j < len(outs):
-                gj.append(j)
-                pj *= outs[j]
-                j += 1
-            elif i < len(ins):
-                gi.append(i)
-                pi *= ins[i]
-                i += 1
+            if _lt(pi, pj) and left(0):
+                pi = take(0, gi, pi)
+            elif left(1):
+                pj = take(1, gj, pj)
+            elif left(0):
+                pi = take(0, gi, pi)
             else:
                 return None
         if out_dim in gj:

@@ -305,6 +305,16 @@ def rewrite_block(
             raise AnalysisError(f"node {n.name} is missing from the graph being rewritten")
         return env[by_name[n.name]]
 
+    walked = {n.name: n for n in consumer.node.graph.nodes}
+    for point in (key_point, value_point):
+        tiled = [walked[x] for x in point.chain if op_name(walked[x]) == "repeat"]
+        if tiled:
+            # repeat() tiles heads (query head h reads kv head h % Hkv); the cache groups
+            # them (h // (Hq // Hkv)) like expand/repeat_interleave.
+            raise KVPolicyError(
+                f"the attention operand is tiled by {tiled[0].format_node()}; kvpolicy "
+                "supports grouped-query heads made by expand or repeat_interleave"
+            )
     q = consumer.query
     if len(_shape(q)) != 4:
         raise KVPolicyError(f"the query {q.format_node()} is not [batch, heads, tokens, dim]")

@@ -63,7 +63,8 @@ def key_dependent_nodes(gm: fx.GraphModule, parameter_names: set[str]) -> set[fx
     return dep
 
 
-def _ancestors_within(node: fx.Node, allowed: set[fx.Node]) -> list[fx.Node]:
+def _walk_up(node: fx.Node, keep) -> list[fx.Node]:
+    """``node`` and every ancestor reachable through inputs for which ``keep(input)``."""
     out, stack, seen = [], [node], set()
     while stack:
         n = stack.pop()
@@ -71,8 +72,12 @@ def _ancestors_within(node: fx.Node, allowed: set[fx.Node]) -> list[fx.Node]:
             continue
         seen.add(n)
         out.append(n)
-        stack.extend(a for a in n.all_input_nodes if a in allowed)
+        stack.extend(a for a in n.all_input_nodes if keep(a))
     return out
+
+
+def _ancestors_within(node: fx.Node, allowed: set[fx.Node]) -> list[fx.Node]:
+    return _walk_up(node, allowed.__contains__)
 
 
 def _dominates(d: fx.Node, x: fx.Node, dep: set[fx.Node]) -> bool:
@@ -91,17 +96,9 @@ def _dominates(d: fx.Node, x: fx.Node, dep: set[fx.Node]) -> bool:
 
 def _placeholder_sources(node: fx.Node, names: dict[str, str]) -> list[str]:
     """Names (input paths / buffer names) of the placeholders a position tensor comes from."""
-    found, stack, seen = [], [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            found.append(names.get(n.name, n.name))
-        # Only tensor inputs: sym_size nodes would drag in every input sharing a dim size.
-        stack.extend(a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
-    return sorted(set(found))
+    # Only tensor inputs: sym_size nodes would drag in every input sharing a dim size.
+    found = _walk_up(node, lambda a: isinstance(a.meta.get("val"), torch.Tensor))
+    return sorted({names.get(n.name, n.name) for n in found if n.op == "placeholder"})
 
 
 def find_rope(
@@ -238,16 +235,7 @@ def _is_complex(node: fx.Node) -> bool:
 
 def _is_ancestor(a: fx.Node, n: fx.Node, dep: set[fx.Node]) -> bool:
     """``a`` is a (key-dependent) ancestor of ``n``."""
-    stack, seen = [n], set()
-    while stack:
-        x = stack.pop()
-        if x is a:
-            return True
-        if x in seen:
-            continue
-        seen.add(x)
-        stack.extend(y for y in x.all_input_nodes if y in dep)
-    return False
+    return a in _ancestors_within(n, dep)
 
 
 def precedes_projection(node: fx.Node) -> tuple[bool, str]:
