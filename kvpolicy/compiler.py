@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import functools
 import inspect as _inspect
 import logging
 from dataclasses import dataclass, field
@@ -356,6 +357,7 @@ def _install_model_hooks(model: nn.Module, compiled: CompiledModel) -> None:
                 f"the model's max_position_embeddings={limit}; shorten the input"
             )
 
+    @functools.wraps(orig_forward)
     def forward(*args, **kwargs):
         check_length(args, kwargs)
         if kw is not None and has_use_cache:
@@ -375,11 +377,10 @@ def _install_model_hooks(model: nn.Module, compiled: CompiledModel) -> None:
     if hasattr(model, "generate") and kw is not None:
         orig_generate = model.generate
 
+        @functools.wraps(orig_generate)
         def generate(*args, **kwargs):
-            if kwargs.get("num_beams", 1) and kwargs.get("num_beams", 1) > 1:
-                pass  # beam search reorders through KVPolicyCache.reorder_cache
             if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
-                kwargs["past_key_values"] = compiled.new_cache()
+                kwargs[kw] = compiled.new_cache()
             return orig_generate(*args, **kwargs)
 
         model.generate = generate

@@ -30,7 +30,8 @@ def _fmt_bytes(n: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bits", type=int, default=2)
-    parser.add_argument("--segments", type=int, default=1, help="pydoc segments to score")
+    parser.add_argument("--segments", type=int, default=4,
+                        help="pydoc segments to score (DESIGN.md's reference setup: 4)")
     parser.add_argument("--context", type=int, default=768)
     parser.add_argument("--steps", type=int, default=256)
     args = parser.parse_args(argv)

@@ -7,6 +7,7 @@ tokens, then score ``steps`` tokens teacher-forced, one step at a time.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -46,6 +47,9 @@ def decode_perplexity(
             f"segments of {segments.shape[1]} tokens are shorter than context + steps = "
             f"{context + steps}"
         )
+    # transformers 5.x renames past_key_values -> cache; use what the model takes.
+    params = inspect.signature(model.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
     nll, n, times = 0.0, 0, []
     cache = None
     bar = tqdm(total=len(segments) * steps, desc=desc, disable=not progress, unit="tok")
@@ -59,8 +63,8 @@ def decode_perplexity(
                 nll += torch.nn.functional.cross_entropy(logits.float(), target).item()
                 n += 1
                 t0 = time.perf_counter()
-                out = model(ids[:, context + i : context + i + 1], past_key_values=cache,
-                            use_cache=True)
+                out = model(ids[:, context + i : context + i + 1], use_cache=True,
+                            **{cache_kw: cache})
                 times.append(time.perf_counter() - t0)
                 cache, logits = out.past_key_values, out.logits[:, -1]
                 bar.update(1)
