@@ -142,3 +142,18 @@ def test_python_dash_m_entry_point():
         [sys.executable, "-m", "kvpolicy", "--help"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0 and "inspect" in done.stdout
+
+
+def test_inspect_end_to_end_on_a_tiny_model(capsys):
+    assert main(["inspect", "--model", "tiny-gpt_neox", "--bits", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "q·kᵀ over head_dim=32" in out and "softmax·V over tokens" in out
+    assert "rotate_half RoPE on 8 of 32 channels" in out  # partial rotary, derived
+
+
+@pytest.mark.real_model
+def test_inspect_end_to_end_on_smollm2(capsys):
+    assert main(["inspect", "--model", "smollm2-135m", "--format", "json"]) == 0
+    policy = ModelPolicy.from_json(capsys.readouterr().out)
+    assert policy.num_layers == 30
+    assert policy.get(0, "key").pre_rope and policy.get(29, "value").axis == "token"
