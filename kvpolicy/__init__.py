@@ -13,6 +13,7 @@ cache that attention reads directly.
 from .api import analyse_model, derive_policy, inspect
 from .compiler import compile_model
 from .errors import AnalysisError, CacheError, KVPolicyError, PolicyError, ZooError
+from .evaluation import evaluate
 from .model_cache import KVPolicyCache
 from .policy import Axis, ModelPolicy, PolicySpec, TensorKind, TensorPolicy, load_spec
 
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "compile_model",
+    "evaluate",
     "KVPolicyCache",
     "analyse_model",
     "derive_policy",

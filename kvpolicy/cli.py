@@ -59,6 +59,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.set_defaults(run=_cmd_inspect)
 
+    ev = commands.add_parser(
+        "eval",
+        help="measure a policy: decode-time perplexity, ablations, the peer, bytes, speed",
+        description="Decode-time perplexity of the derived policy, its ablations and "
+        "transformers' quanto cache on pydoc text; writes report.md/report.json/plots.",
+    )
+    ev.add_argument("--model", default="smollm2-135m", metavar="NAME",
+                    help='a zoo name or "tiny-<arch>" (default: smollm2-135m)')
+    ev.add_argument("--bits", type=int, default=2, choices=_BITS,
+                    help="code bits when no --policy is given (default 2)")
+    ev.add_argument("--policy", metavar="FILE_OR_PRESET", help="a YAML file or preset name")
+    ev.add_argument("--segments", type=int, default=4, help="pydoc segments (default 4)")
+    ev.add_argument("--context", type=int, default=768, help="prefill tokens (default 768)")
+    ev.add_argument("--steps", type=int, default=256, help="scored decode steps (default 256)")
+    ev.add_argument("--out", metavar="DIR", default="eval-out", help="output folder")
+    ev.add_argument("--quick", action="store_true",
+                    help="a tiny random model and short text: a smoke test in seconds")
+    ev.add_argument("--no-peers", action="store_true", help="skip the quanto peer runs")
+    ev.set_defaults(run=_cmd_eval)
+
     presets = commands.add_parser("presets", help="list the shipped policy presets")
     presets.set_defaults(run=_cmd_presets)
     return parser
@@ -92,6 +112,18 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     else:
         text = str(policy)
     print(text.rstrip("\n"))
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    evaluate = importlib.import_module("kvpolicy.evaluation")
+    report = evaluate.evaluate(
+        args.model, bits=args.bits, policy=args.policy, segments=args.segments,
+        context=args.context, steps=args.steps, out=args.out, quick=args.quick,
+        peers=not args.no_peers,
+    )
+    print(report.to_markdown().rstrip("\n"))
+    print(f"\nwritten to {args.out}/ (report.md, report.json, plots)")
     return 0
 
 

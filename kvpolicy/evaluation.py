@@ -1,21 +1,40 @@
-"""Decode-time perplexity: the quality of a cache that was built over time.
+"""Measure a policy where it matters: decode-time perplexity, ablations and the peer.
 
-A single forward over a prompt hardly touches the cache (DESIGN.md §3). Here every scored
-token is produced by a single-token decode step that reads the cache: prefill ``context``
-tokens, then score ``steps`` tokens teacher-forced, one step at a time.
+A single forward pass over a prompt hardly touches the cache (DESIGN.md §3). Here every
+scored token is produced by a single-token decode step that reads the cache: prefill
+``context`` tokens, then score ``steps`` tokens teacher-forced, one step at a time.
+
+``evaluate`` (``kvpolicy eval``) runs, on the same segments of pydoc text (or random
+tokens for ``quick``): the full-precision cache, the derived policy, its ablations through
+the public override API (axes, pre/post-RoPE keys, residual, sinks, bits) and the peer
+(transformers' quanto ``QuantizedCache``) with its default and its best axes, with cache
+bytes and decode-step wall time beside each perplexity; results go to ``report.md``,
+``report.json`` and PNG plots.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
+import logging
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["DecodeResult", "decode_perplexity", "cache_keyword"]
+from .policy import load_spec
+
+__all__ = [
+    "DecodeResult", "decode_perplexity", "cache_keyword", "RunResult", "EvalReport",
+    "evaluate", "ablations",
+]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -88,3 +107,304 @@ def cache_keyword(model: torch.nn.Module) -> str:
     """The keyword a model's forward takes its cache by (transformers 5.x: ``cache``)."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+@dataclass
+class RunResult:
+    name: str
+    group: str  # headline | axes | rope | residual | sinks | bits | peer
+    perplexity: float
+    ratio: float  # perplexity / full-precision perplexity
+    cache_bytes: int | None
+    fp16_bytes: int | None
+    bits_per_element: float | None  # cache bytes * 8 / cached elements, overheads included
+    ms_per_step: float
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EvalReport:
+    model: str
+    segments: int
+    context: int
+    steps: int
+    runs: list[RunResult]
+    seconds: float
+    consumed: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def run(self, name: str) -> RunResult:
+        return next(r for r in self.runs if r.name == name)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, default=str)
+
+    def to_markdown(self) -> str:
+        lines = [
+            f"# kvpolicy eval: {self.model}",
+            "",
+            f"{self.segments} segment(s): {self.context}-token prefill, then {self.steps} "
+            f"teacher-forced decode steps through the cache; {self.seconds:.0f} s in all.",
+            "",
+            "| run | group | perplexity | × fp | bits/elem | cache bytes | × smaller than fp16 "
+            "| ms/step |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in self.runs:
+            smaller = (
+                f"{r.fp16_bytes / r.cache_bytes:.2f}" if r.cache_bytes and r.fp16_bytes else "-"
+            )
+            bpe = f"{r.bits_per_element:.2f}" if r.bits_per_element else "-"
+            lines.append(
+                f"| {r.name} | {r.group} | {r.perplexity:.3f} | {r.ratio:.3f} | {bpe} | "
+                f"{r.cache_bytes if r.cache_bytes is not None else '-'} | {smaller} | "
+                f"{r.ms_per_step:.1f} |"
+            )
+        if self.consumed:
+            lines += ["", "## Where the tensors are consumed", "",
+                      str(self.consumed.get("summary", ""))]
+        if self.notes:
+            lines += ["", "## Notes", ""] + [f"- {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+
+def ablations(bits: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """(name, group, overrides on top of the user's spec) of every ablation run."""
+    key, value = {"layers": "*", "tensor": "key"}, {"layers": "*", "tensor": "value"}
+    return [
+        ("K token / V token", "axes", {"overrides": [{**key, "axis": "token"}]}),
+        ("K channel / V channel", "axes", {"overrides": [{**value, "axis": "channel"}]}),
+        ("K token / V channel", "axes",
+         {"overrides": [{**key, "axis": "token"}, {**value, "axis": "channel"}]}),
+        ("keys post-RoPE", "rope", {"overrides": [{**key, "pre_rope": False}]}),
+        ("residual 0", "residual", {"defaults": {"residual": 0}}),
+        ("residual 32", "residual", {"defaults": {"residual": 32}}),
+        ("residual 128", "residual", {"defaults": {"residual": 128}}),
+        ("sinks 0", "sinks", {"defaults": {"sinks": 0}}),
+        ("sinks 4", "sinks", {"defaults": {"sinks": 4}}),
+        *[(f"{b} bits", "bits", {"defaults": {"bits": b}}) for b in (2, 3, 4)],
+    ]
+
+
+def _merge(spec_dict: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = {"defaults": dict(spec_dict.get("defaults", {})),
+           "overrides": list(spec_dict.get("overrides", []))}
+    out["defaults"].update(extra.get("defaults", {}))
+    out["overrides"] += extra.get("overrides", [])
+    return out
+
+
+def _elements_per_token(model) -> int | None:
+    from .api import analyse_model
+
+    a = analyse_model(model)
+    return sum(lf.key.num_kv_heads * (lf.key.head_dim + lf.value.head_dim) for lf in a.layers)
+
+
+def evaluate(
+    model: str = "smollm2-135m",
+    *,
+    bits: int = 2,
+    policy: Any = None,
+    segments: int = 4,
+    context: int = 768,
+    steps: int = 256,
+    out: str | Path | None = None,
+    quick: bool = False,
+    peers: bool = True,
+    progress: bool = True,
+) -> EvalReport:
+    """Run the full comparison; see the module docstring.
+
+    Args:
+        model: a zoo name (``"smollm2-135m"``) or ``"tiny-<arch>"``.
+        bits, policy: the policy under test, as for ``compile_model``.
+        segments, context, steps: text to score (segments decode as one batch).
+        out: folder for ``report.md``, ``report.json`` and the plots.
+        quick: a tiny random model, random tokens, short context: a smoke test.
+        peers: also run transformers' quanto ``QuantizedCache`` (needs optimum-quanto).
+    """
+    start = time.perf_counter()
+    if quick:
+        model, segments, context, steps = "tiny-llama", 2, 64, 16
+        if policy is None:  # a window and groups small enough for 80 tokens to be packed
+            policy = {"defaults": {"bits": bits, "group_size": 16, "residual": 16, "sinks": 2}}
+    load, segs = _loader(model, segments, context + steps)
+    user = _spec_dict(policy, bits)
+    runs: list[RunResult] = []
+    notes: list[str] = []
+
+    fp_model = load()
+    per_token = _elements_per_token(fp_model)
+    fp = decode_perplexity(fp_model, segs, context, steps, desc="fp", progress=progress,
+                           batched=True)
+    fp_bytes = _fp16_bytes(per_token, segs.shape[0], context + steps)
+    runs.append(RunResult("full precision", "headline", fp.perplexity, 1.0, None, fp_bytes,
+                          16.0, fp.seconds_per_step * 1e3))
+
+    def run_policy(name: str, group: str, spec: dict[str, Any]) -> RunResult:
+        from .compiler import compile_model
+
+        m = compile_model(load(), policy=spec)
+        res = decode_perplexity(m, segs, context, steps, desc=name, progress=progress,
+                                batched=True)
+        mem = res.cache.memory_report()
+        elems = per_token * segs.shape[0] * mem["tokens"] if per_token else None
+        r = RunResult(
+            name, group, res.perplexity, res.perplexity / fp.perplexity, mem["bytes"],
+            mem["fp16_bytes"], mem["bytes"] * 8 / elems if elems else None,
+            res.seconds_per_step * 1e3, spec,
+        )
+        runs.append(r)
+        return r
+
+    derived = run_policy("derived policy", "headline", user)
+    seen = {json.dumps(user, sort_keys=True): derived}
+    for name, group, extra in ablations(bits):
+        spec = _merge(user, extra)
+        key = json.dumps(spec, sort_keys=True)
+        if key in seen or _same_as(spec, user):
+            same = seen.get(key, derived)
+            runs.append(RunResult(name, group, same.perplexity, same.ratio, same.cache_bytes,
+                                  same.fp16_bytes, same.bits_per_element, same.ms_per_step,
+                                  spec))
+            continue
+        seen[key] = run_policy(name, group, spec)
+
+    if peers:
+        runs += _peer_runs(load, segs, context, steps, fp.perplexity, user, per_token,
+                           progress, notes)
+    consumed = _consumed(load, segs, context, bits, runs, notes)
+    report = EvalReport(model, segs.shape[0], context, steps, runs,
+                        time.perf_counter() - start, consumed, notes)
+    if out is not None:
+        _write(report, Path(out))
+    return report
+
+
+def _same_as(spec: dict[str, Any], user: dict[str, Any]) -> bool:
+    """An ablation that only restates the user's own settings."""
+    if spec.get("overrides") != user.get("overrides"):
+        return False
+    d = load_spec(spec).defaults
+    u = load_spec(user).defaults
+    return d == u
+
+
+def _spec_dict(policy: Any, bits: int) -> dict[str, Any]:
+    spec = load_spec(policy, bits=bits)
+    dump = spec.model_dump(mode="json", exclude_none=True)
+    defaults = {k: v for k, v in dump["defaults"].items() if k != "axis" or v is not None}
+    return {"defaults": defaults, "overrides": [
+        {k: v for k, v in rule.items() if v is not None} for rule in dump.get("overrides", [])
+    ]}
+
+
+def _fp16_bytes(per_token: int | None, batch: int, tokens: int) -> int | None:
+    return None if per_token is None else 2 * per_token * batch * tokens
+
+
+def _loader(model: str, segments: int, length: int) -> tuple[Callable[[], Any], torch.Tensor]:
+    if model.startswith("tiny-"):
+        from .testing import tiny_model
+
+        arch = model[len("tiny-"):]
+        probe = tiny_model(arch)
+        gen = torch.Generator().manual_seed(0)
+        segs = torch.randint(3, probe.config.vocab_size, (segments, length), generator=gen)
+        return (lambda: tiny_model(arch)), segs
+    from . import data, zoo
+
+    _, tokenizer = zoo.load(model)
+    return (lambda: zoo.load(model)[0]), data.segments(tokenizer, length, segments)
+
+
+def _peer_runs(load, segs, context, steps, fp_ppl, user, per_token, progress, notes):
+    try:
+        from . import peers
+    except ImportError:  # the peer module lands separately
+        notes.append("peer runs skipped: kvpolicy.peers is not available")
+        return []
+    d = load_spec(user).defaults
+    out = []
+    try:
+        model = load()
+        results = {}
+        for axes in ((0, 0), (-1, 0), (0, -1), (-1, -1)):
+            def factory(model=model, axes=axes):
+                return peers.peer_cache(model, "quanto", bits=d.bits, group_size=d.group_size,
+                                        residual=d.residual, axis_key=axes[0],
+                                        axis_value=axes[1])
+
+            res = peers.peer_decode_perplexity(model, segs, context, steps, factory,
+                                               desc=f"quanto {axes}", progress=progress)
+            results[axes] = res
+        best = min(results, key=lambda a: results[a].perplexity)
+        for label, axes in (("quanto default axes (0, 0)", (0, 0)),
+                            (f"quanto best axes {best}", best)):
+            res = results[axes]
+            nbytes = getattr(res, "cache_bytes", None)
+            elems = per_token * segs.shape[0] * (context + steps) if per_token else None
+            out.append(RunResult(
+                label, "peer", res.perplexity, res.perplexity / fp_ppl, nbytes,
+                _fp16_bytes(per_token, segs.shape[0], context + steps),
+                nbytes * 8 / elems if nbytes and elems else None,
+                res.seconds_per_step * 1e3,
+                {"bits": d.bits, "group_size": d.group_size, "residual": d.residual,
+                 "axes": list(axes)},
+            ))
+    except Exception as exc:  # noqa: BLE001 - reported, not swallowed
+        notes.append(f"peer runs failed: {type(exc).__name__}: {exc}")
+        log.warning("peer runs failed: %s", exc)
+    return out
+
+
+def _consumed(load, segs, context, bits, runs, notes):
+    try:
+        from . import consumed
+    except ImportError:
+        notes.append("where-consumed metrics skipped: kvpolicy.consumed is not available")
+        return None
+    order = [r.name for r in sorted((r for r in runs if r.group in ("axes", "headline")
+                                     and r.name != "full precision"),
+                                    key=lambda r: r.perplexity)]
+    try:
+        return consumed.axis_study(load(), segs[:1, :context], bits=bits,
+                                   reference_order=order)
+    except Exception as exc:  # noqa: BLE001 - reported, not swallowed
+        notes.append(f"where-consumed metrics failed: {type(exc).__name__}: {exc}")
+        log.warning("where-consumed metrics failed: %s", exc)
+        return None
+
+
+def _write(report: EvalReport, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(report.to_markdown())
+    (out / "report.json").write_text(report.to_json())
+    try:
+        _plots(report, out)
+    except ImportError as exc:
+        report.notes.append(f"plots skipped: {exc}")
+
+
+def _plots(report: EvalReport, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for group, marker in (("bits", "o"), ("headline", "*"), ("peer", "s")):
+        pts = [r for r in report.runs if r.group == group and r.bits_per_element]
+        if pts:
+            ax.scatter([r.bits_per_element for r in pts], [r.perplexity for r in pts],
+                       marker=marker, label=group)
+            for r in pts:
+                ax.annotate(r.name, (r.bits_per_element, r.perplexity), fontsize=7)
+    ax.set_xlabel("cache bits per element (scales, zeros, full-precision window counted)")
+    ax.set_ylabel("decode-time perplexity")
+    ax.set_title(report.model)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "perplexity_vs_bits.png", dpi=120)
+    plt.close(fig)

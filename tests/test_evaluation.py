@@ -34,3 +34,22 @@ def test_batched_equals_one_segment_at_a_time_through_a_compiled_cache():
     b = decode_perplexity(model, segs, 24, 16, progress=False, batched=True)
     assert a.cache.layers[0].packed.n_packed > 0
     assert math.isclose(a.perplexity, b.perplexity, rel_tol=1e-4)
+
+
+def test_quick_eval_writes_a_report_with_every_ablation(tmp_path):
+    import json
+
+    report = kvpolicy.evaluate(quick=True, peers=False, progress=False, out=tmp_path)
+    names = [r.name for r in report.runs]
+    assert names[:2] == ["full precision", "derived policy"]
+    groups = {r.group for r in report.runs}
+    assert {"axes", "rope", "residual", "sinks", "bits"} <= groups
+    assert len([r for r in report.runs if r.group == "axes"]) == 3
+    # The quick policy packs groups: 2-bit runs really are quantized and cost perplexity.
+    derived = report.run("derived policy")
+    assert derived.cache_bytes < derived.fp16_bytes
+    assert report.run("4 bits").ratio < report.run("K token / V channel").ratio
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["runs"][1]["name"] == "derived policy"
+    assert "| derived policy |" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "perplexity_vs_bits.png").stat().st_size > 0
