@@ -30,6 +30,10 @@ What the capture relies on (no module names are matched):
 
 Errors are computed for a causal LM over whole groups of the captured tokens: no
 full-precision residual window and no sinks, ``T`` trimmed to a multiple of the group size.
+The consumer's own mask is not replayed: every layer is scored with a plain causal mask
+(``LayerActivations.meta`` records whether SDPA got ``is_causal`` or a mask), so padding
+and sliding windows are not modelled. One forward gives prefill activations only; the
+cache-built-over-time evaluation of DESIGN §3 is a different measurement.
 """
 
 from __future__ import annotations
@@ -345,6 +349,27 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.matmul(q, _expand(k, q.shape[1]).transpose(-1, -2)) * scale
 
 
+def _exact(act: LayerActivations, t: int) -> tuple[torch.Tensor, ...]:
+    """Unquantized ``(scores, probs, out, mask, causal)`` over the first ``t`` tokens,
+    cached in ``act.meta`` (they do not depend on the policy).
+
+    ``scores`` are raw ``q·kᵀ·scale`` (unmasked), ``mask`` the additive causal mask,
+    ``causal`` its 0/1 form, ``out`` the fp32 attention output.
+    """
+    cached = act.meta.get("_exact")
+    if cached is not None and cached[0] == t:
+        return cached[1]
+    q, k, v = act.query[:, :, :t], act.key[:, :, :t], act.value[:, :, :t]
+    mask = _causal_mask(t, q.device)
+    causal = torch.isfinite(mask).float()
+    scores = _scores(q, k, act.scale)
+    probs = torch.softmax(scores + mask, dim=-1)
+    out, _ = reference.attention_partial(q, k, v, scale=act.scale, mask=mask)
+    exact = (scores, probs, out, mask, causal)
+    act.meta["_exact"] = (t, exact)
+    return exact
+
+
 def consumed_errors(
     acts: Sequence[LayerActivations],
     policy_spec: PolicyLike,
@@ -382,27 +407,21 @@ def consumed_errors(
                 f"{act.key.shape[2]} captured tokens hold no whole group of {group_size}; "
                 "capture at least group_size tokens"
             )
-        q = act.query[:, :, :t]
-        k_post, v = act.key[:, :, :t], act.value[:, :, :t]
-        mask = _causal_mask(t, q.device)
-        scores = _scores(q, k_post, act.scale) + mask
-        probs = torch.softmax(scores, dim=-1)
-        out, _ = reference.attention_partial(q, k_post, v, scale=act.scale, mask=mask)
-        causal = torch.isfinite(mask).expand_as(scores)
-
+        q, k_post, v = act.query[:, :, :t], act.key[:, :, :t], act.value[:, :, :t]
+        scores, probs, out, mask, causal = _exact(act, t)
         k_stored = act.key_pre[:, :, :t] if pre_rope else k_post
         k_hat = _roundtrip(k_stored, QuantSpec(bits, group_size, key_axis))  # type: ignore[arg-type]
         recon_k = _rel(k_hat, k_stored)
         if pre_rope:
             spec, positions = act.rotary(t)
             k_hat = reference.apply_rope(k_hat, positions, spec)
-        scores_hat = _scores(q, k_hat, act.scale) + mask
-        probs_hat = torch.softmax(scores_hat, dim=-1)
+        scores_hat = _scores(q, k_hat, act.scale)
+        probs_hat = torch.softmax(scores_hat + mask, dim=-1)
         out_k, _ = reference.attention_partial(q, k_hat, v, scale=act.scale, mask=mask)
         rows.append(dict(
             layer=act.layer, tensor="key", axis=key_axis, pre_rope=pre_rope, bits=bits,
             tokens=t, recon=recon_k,
-            score_err=_rel(scores_hat[causal], scores[causal]),
+            score_err=_rel(scores_hat * causal, scores * causal),
             prob_tv=float(0.5 * (probs_hat - probs).abs().sum(-1).mean()),
             output_err=_rel(out_k, out),
         ))
