@@ -207,9 +207,17 @@ def capture_activations(model: nn.Module, input_ids: torch.Tensor) -> list[Layer
         the model's device.
 
     Raises:
+        KVPolicyError: the model is compiled by kvpolicy, or ``input_ids`` is not 2-D.
         AnalysisError: a layer's attention did not run SDPA, or RoPE tables could not be
             found or do not invert.
     """
+    if getattr(model, "_kvpolicy_compiled", None) is not None:
+        raise KVPolicyError(
+            f"{type(model).__name__} is compiled by kvpolicy; capture activations on the "
+            "original (uncompiled) model: consumed_errors applies the policy itself"
+        )
+    if input_ids.dim() != 2:
+        raise KVPolicyError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
     analysis = analyse_model(model)
     active: list[int] = []
     calls: dict[int, tuple[tuple, dict]] = {}

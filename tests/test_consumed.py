@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpolicy import analyse_model, derive_policy
+from kvpolicy import analyse_model, compile_model, derive_policy
 from kvpolicy.consumed import (
     METRICS,
     AxisChoice,
@@ -134,6 +134,12 @@ def test_fold_heads_undoes_repeat_kv() -> None:
 def test_eager_attention_is_refused() -> None:
     model = tiny_model("llama", attn_implementation="eager")
     with pytest.raises(AnalysisError, match="attn_implementation='sdpa'"):
+        capture_activations(model, _ids())
+
+
+def test_compiled_model_is_refused() -> None:
+    model = compile_model(tiny_model("llama"), bits=2)
+    with pytest.raises(KVPolicyError, match="uncompiled"):
         capture_activations(model, _ids())
 
 
