@@ -253,9 +253,9 @@ def capture_activations(model: nn.Module, input_ids: torch.Tensor) -> list[Layer
                 "model with attn_implementation='sdpa' to capture its activations"
             )
         args, kwargs = seen[i]
-        q = _sdpa_arg(args, kwargs, 0, "query", None).detach().float()
-        k = _sdpa_arg(args, kwargs, 1, "key", None).detach().float()
-        v = _sdpa_arg(args, kwargs, 2, "value", None).detach().float()
+        q = _sdpa_arg(args, kwargs, 0, "query", None).detach().to(torch.float32, copy=True)
+        k = _sdpa_arg(args, kwargs, 1, "key", None).detach().to(torch.float32, copy=True)
+        v = _sdpa_arg(args, kwargs, 2, "value", None).detach().to(torch.float32, copy=True)
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
             raise AnalysisError(
                 f"layer {i}: SDPA arguments of shapes {tuple(q.shape)}, {tuple(k.shape)}, "
