@@ -161,8 +161,17 @@ class EvalReport:
                 f"{r.ms_per_step:.1f} |"
             )
         if self.consumed:
-            lines += ["", "## Where the tensors are consumed", "",
-                      str(self.consumed.get("summary", ""))]
+            lines += ["", "## Where the tensors are consumed", ""]
+            pols = self.consumed.get("policies", {})
+            metrics = sorted({m for p in pols.values() for m in p})
+            lines += ["| policy | " + " | ".join(metrics) + " |",
+                      "|---|" + "---|" * len(metrics)]
+            for name, vals in pols.items():
+                lines.append(f"| {name} | " + " | ".join(f"{vals[m]:.4f}" for m in metrics)
+                             + " |")
+            lines += ["", "Perplexity order of these policies: "
+                      + ", ".join(self.consumed.get("perplexity_order", [])) + ".",
+                      "", str(self.consumed.get("summary", ""))]
         if self.notes:
             lines += ["", "## Notes", ""] + [f"- {n}" for n in self.notes]
         return "\n".join(lines) + "\n"
@@ -320,61 +329,68 @@ def _loader(model: str, segments: int, length: int) -> tuple[Callable[[], Any], 
 
 
 def _peer_runs(load, segs, context, steps, fp_ppl, user, per_token, progress, notes):
-    try:
-        from . import peers
-    except ImportError:  # the peer module lands separately
-        notes.append("peer runs skipped: kvpolicy.peers is not available")
-        return []
-    d = load_spec(user).defaults
-    out = []
-    try:
-        model = load()
-        results = {}
-        for axes in ((0, 0), (-1, 0), (0, -1), (-1, -1)):
-            def factory(model=model, axes=axes):
-                return peers.peer_cache(model, "quanto", bits=d.bits, group_size=d.group_size,
-                                        residual=d.residual, axis_key=axes[0],
-                                        axis_value=axes[1])
+    """transformers' quanto cache at the policy's bits, group and residual: all four axis
+    pairs (its users pick them by hand), reported with the default and the best."""
+    from . import peers
 
-            res = peers.peer_decode_perplexity(model, segs, context, steps, factory,
-                                               desc=f"quanto {axes}", progress=progress)
-            results[axes] = res
-        best = min(results, key=lambda a: results[a].perplexity)
-        for label, axes in (("quanto default axes (0, 0)", (0, 0)),
-                            (f"quanto best axes {best}", best)):
-            res = results[axes]
-            nbytes = getattr(res, "cache_bytes", None)
-            elems = per_token * segs.shape[0] * (context + steps) if per_token else None
-            out.append(RunResult(
-                label, "peer", res.perplexity, res.perplexity / fp_ppl, nbytes,
-                _fp16_bytes(per_token, segs.shape[0], context + steps),
-                nbytes * 8 / elems if nbytes and elems else None,
-                res.seconds_per_step * 1e3,
-                {"bits": d.bits, "group_size": d.group_size, "residual": d.residual,
-                 "axes": list(axes)},
-            ))
-    except Exception as exc:  # noqa: BLE001 - reported, not swallowed
-        notes.append(f"peer runs failed: {type(exc).__name__}: {exc}")
-        log.warning("peer runs failed: %s", exc)
+    d = load_spec(user).defaults
+    if d.bits not in (2, 4):
+        notes.append(f"peer runs skipped: quanto supports 2 or 4 bits, the policy has {d.bits}")
+        return []
+    model = load()
+    results = {}
+    for axes in ((0, 0), (-1, 0), (0, -1), (-1, -1)):
+        def factory(axes=axes):
+            return peers.peer_cache(model, "quanto", bits=d.bits, group_size=d.group_size,
+                                    residual=d.residual, axis_key=axes[0], axis_value=axes[1])
+
+        results[axes] = decode_perplexity(model, segs, context, steps, desc=f"quanto {axes}",
+                                          progress=progress, batched=True, make_cache=factory)
+    best = min(results, key=lambda a: results[a].perplexity)
+    out = []
+    for label, axes in (("quanto default axes (0, 0)", (0, 0)), (f"quanto best axes {best}", best)):
+        res = results[axes]
+        held = peers.cache_bytes(res.cache)
+        elems = per_token * segs.shape[0] * held.tokens if per_token else None
+        out.append(RunResult(
+            label, "peer", res.perplexity, res.perplexity / fp_ppl, held.total, held.fp16,
+            held.total * 8 / elems if elems else None, res.seconds_per_step * 1e3,
+            {"bits": d.bits, "group_size": d.group_size, "residual": d.residual,
+             "axes": list(axes),
+             "all_axes": {str(a): r.perplexity for a, r in results.items()}},
+        ))
     return out
 
 
+# Ablation runs that are whole-policy axis/RoPE choices, by their consumed.axis_study name.
+_STUDY_NAMES = {
+    "derived policy": ("K-channel-pre/V-token", "K-channel/V-token"),
+    "K token / V token": ("K-token-pre/V-token", "K-token/V-token"),
+    "K channel / V channel": ("K-channel-pre/V-channel", "K-channel/V-channel"),
+    "K token / V channel": ("K-token-pre/V-channel", "K-token/V-channel"),
+    "keys post-RoPE": ("K-channel-post/V-token", None),
+}
+
+
 def _consumed(load, segs, context, bits, runs, notes):
-    try:
-        from . import consumed
-    except ImportError:
-        notes.append("where-consumed metrics skipped: kvpolicy.consumed is not available")
-        return None
-    order = [r.name for r in sorted((r for r in runs if r.group in ("axes", "headline")
-                                     and r.name != "full precision"),
-                                    key=lambda r: r.perplexity)]
-    try:
-        return consumed.axis_study(load(), segs[:1, :context], bits=bits,
-                                   reference_order=order)
-    except Exception as exc:  # noqa: BLE001 - reported, not swallowed
-        notes.append(f"where-consumed metrics failed: {type(exc).__name__}: {exc}")
-        log.warning("where-consumed metrics failed: %s", exc)
-        return None
+    """Errors where each tensor is consumed, on the model's own activations of the first
+    segment's prefill, for the derived axes and their flips; ranked against perplexity."""
+    from . import consumed
+
+    model = load()
+    acts = consumed.capture_activations(model, segs[:1, :context])
+    has_rope = acts[0].rope_style is not None
+    ranked = sorted((r for r in runs if r.name in _STUDY_NAMES), key=lambda r: r.perplexity)
+    order = [_STUDY_NAMES[r.name][0 if has_rope else 1] for r in ranked]
+    order = [n for n in order if n is not None]
+    study = consumed.axis_study(model, segs[:1, :context], bits=bits,
+                                reference_order=order if len(order) >= 2 else None)
+    # Per layer, the largest |pre-RoPE key| of each channel: the outlier channels.
+    study["key_channel_absmax"] = [
+        a.key_pre.abs().amax(dim=(0, 2)).reshape(-1).tolist() for a in acts
+    ]
+    study["perplexity_order"] = order
+    return study
 
 
 def _write(report: EvalReport, out: Path) -> None:
@@ -408,3 +424,32 @@ def _plots(report: EvalReport, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "perplexity_vs_bits.png", dpi=120)
     plt.close(fig)
+    if not report.consumed:
+        return
+    mags = report.consumed.get("key_channel_absmax")
+    if mags:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        im = ax.imshow(mags, aspect="auto", cmap="magma")
+        ax.set_xlabel("key channel (head-major)")
+        ax.set_ylabel("layer")
+        ax.set_title("max |pre-RoPE key| per channel: outlier channels")
+        fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        fig.savefig(out / "key_channel_magnitude.png", dpi=120)
+        plt.close(fig)
+    pols = report.consumed.get("policies", {})
+    if pols:
+        metrics = sorted({m for p in pols.values() for m in p})
+        fig, ax = plt.subplots(figsize=(8, 4))
+        width = 0.8 / max(len(pols), 1)
+        for i, (name, vals) in enumerate(pols.items()):
+            ax.bar([j + i * width for j in range(len(metrics))], [vals[m] for m in metrics],
+                   width, label=name)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(metrics))], metrics,
+                      rotation=20, fontsize=8)
+        ax.set_ylabel("relative error (mean over layers)")
+        ax.set_title("error by axis choice and by where it is measured")
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(out / "error_by_axis_and_metric.png", dpi=120)
+        plt.close(fig)
