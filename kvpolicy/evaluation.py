@@ -248,8 +248,11 @@ def evaluate(
     fp = decode_perplexity(fp_model, segs, context, steps, desc="fp", progress=progress,
                            batched=True)
     fp_bytes = _fp16_bytes(per_token, segs.shape[0], context + steps)
-    runs.append(RunResult("full precision", "headline", fp.perplexity, 1.0, None, fp_bytes,
-                          16.0, fp.seconds_per_step * 1e3))
+    held = _held_bytes(fp.cache)  # transformers' DynamicCache, in the model's dtype
+    runs.append(RunResult(
+        "full precision (DynamicCache)", "headline", fp.perplexity, 1.0, held, fp_bytes,
+        held * 8 / (fp_bytes / 2) if held and fp_bytes else None, fp.seconds_per_step * 1e3,
+    ))
 
     def run_policy(name: str, group: str, spec: dict[str, Any]) -> RunResult:
         from .compiler import compile_model
@@ -289,6 +292,17 @@ def evaluate(
     if out is not None:
         _write(report, Path(out))
     return report
+
+
+def _held_bytes(cache) -> int | None:
+    from . import peers
+    from .errors import KVPolicyError
+
+    try:
+        return peers.cache_bytes(cache).total
+    except KVPolicyError as exc:  # a cache type peers cannot count: no figure, said why
+        log.info("cache bytes of %s not measured: %s", type(cache).__name__, exc)
+        return None
 
 
 def _same_as(spec: dict[str, Any], user: dict[str, Any]) -> bool:
@@ -390,6 +404,14 @@ def _consumed(load, segs, context, bits, runs, notes):
         a.key_pre.abs().amax(dim=(0, 2)).reshape(-1).tolist() for a in acts
     ]
     study["perplexity_order"] = order
+    # Per layer and tensor, for the derived axes and for both flipped (DESIGN.md §3).
+    study["per_layer"] = {
+        choice.name: consumed.consumed_errors(acts, choice, bits=bits)
+        for choice in (
+            consumed.AxisChoice("channel", "token", has_rope),
+            consumed.AxisChoice("token", "channel", has_rope),
+        )
+    }
     return study
 
 

@@ -41,7 +41,9 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path):
 
     report = kvpolicy.evaluate(quick=True, peers=False, progress=False, out=tmp_path)
     names = [r.name for r in report.runs]
-    assert names[:2] == ["full precision", "derived policy"]
+    assert names[:2] == ["full precision (DynamicCache)", "derived policy"]
+    # the fp32 model's DynamicCache holds twice the fp16 bytes
+    assert report.runs[0].cache_bytes == 2 * report.runs[0].fp16_bytes
     groups = {r.group for r in report.runs}
     assert {"axes", "rope", "residual", "sinks", "bits"} <= groups
     assert len([r for r in report.runs if r.group == "axes"]) == 3
@@ -62,4 +64,6 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path):
     assert "K-channel-pre/V-token" in report.consumed["policies"]
     assert report.consumed["perplexity_order"][0] in report.consumed["policies"]
     assert len(report.consumed["key_channel_absmax"]) == 2  # layers
+    rows = report.consumed["per_layer"]["K-channel-pre/V-token"]
+    assert [(r["layer"], r["tensor"]) for r in rows][:2] == [(0, "key"), (0, "value")]
     assert "## Where the tensors are consumed" in (tmp_path / "report.md").read_text()
