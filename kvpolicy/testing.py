@@ -25,6 +25,7 @@ __all__ = [
     "NanoGPTAttention",
     "GptFast",
     "GptFastAttention",
+    "rope_spec",
 ]
 
 # Common shape of every tiny model: hidden 128 = 4 query heads x head_dim 32 (the smallest
@@ -300,3 +301,17 @@ class GptFast(nn.Module):
         for layer in self.layers:
             x = layer(x, freqs_cis, mask, use_cache_pos)
         return self.output(self.norm(x))
+
+
+def rope_spec(style: str, rotary_dim: int, positions: int = 2048, base: float = 1e4):
+    """A standard RoPE table (``kvpolicy.kernels.layout.RotarySpec``) for kernel tests.
+
+    ``style`` is ``"rotate_half"`` (cos/sin laid out ``cat(f, f)``) or ``"interleaved"``
+    (``repeat_interleave(f, 2)``).
+    """
+    from .kernels.layout import RotarySpec
+
+    inv = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None]
+    ang = torch.cat((ang, ang), -1) if style == "rotate_half" else ang.repeat_interleave(2, -1)
+    return RotarySpec(style, rotary_dim, ang.cos().float(), ang.sin().float())

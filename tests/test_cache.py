@@ -13,16 +13,14 @@ from kvpolicy.cache import PackedKVLayer
 from kvpolicy.errors import CacheError
 from kvpolicy.kernels import reference as ref
 from kvpolicy.kernels.layout import QuantSpec, RotarySpec
+from kvpolicy.testing import rope_spec
 
 K2 = QuantSpec(2, 32, "channel")
 V2 = QuantSpec(2, 32, "token")
 
 
 def make_rope(style: str, rotary_dim: int, positions: int = 2048) -> RotarySpec:
-    inv = 1.0 / 1e4 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
-    ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None]
-    ang = torch.cat((ang, ang), -1) if style == "rotate_half" else ang.repeat_interleave(2, -1)
-    return RotarySpec(style, rotary_dim, ang.cos().float(), ang.sin().float())
+    return rope_spec(style, rotary_dim, positions)
 
 
 ROPES = {

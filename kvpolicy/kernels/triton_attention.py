@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ..errors import CacheError
+from ._triton_util import interpreting
 from .layout import Packed, QuantSpec, RotarySpec
 
 __all__ = ["packed_attention_partial", "attention_partial"]
@@ -43,15 +43,7 @@ _ROPE_STYLES = {None: 0, "rotate_half": 1, "interleaved": 2}
 _FULL = QuantSpec(bits=16, group_size=1, axis="token")
 
 
-def _interpreting() -> bool:
-    """True when Triton runs in interpreter mode (decided, like ``triton.jit``, at import)."""
-    knobs = getattr(triton, "knobs", None)  # triton >= 3.4
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-_INTERPRET = _interpreting()
+_INTERPRET = interpreting()
 
 
 def _keep_attention_config(configs, named_args, **kwargs):

@@ -20,27 +20,19 @@ bytes; 3-bit codes straddle bytes inside a chunk and never across chunks.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ..errors import CacheError
+from ._triton_util import interpreting
 from .layout import Packed, QuantSpec
 
 __all__ = ["quantize"]
 
 
-def _interpreting() -> bool:
-    """True when Triton runs in interpreter mode (decided, like ``triton.jit``, at import)."""
-    knobs = getattr(triton, "knobs", None)  # triton >= 3.4
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-_INTERPRET = _interpreting()
+_INTERPRET = interpreting()
 
 
 def _keep_quant_config(configs, named_args, **kwargs):

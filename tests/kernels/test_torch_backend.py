@@ -13,13 +13,11 @@ from kvpolicy.kernels import _cpu_ext
 from kvpolicy.kernels import reference as ref
 from kvpolicy.kernels import torch_backend as tb
 from kvpolicy.kernels.layout import Packed, QuantSpec, RotarySpec
+from kvpolicy.testing import rope_spec
 
 
 def make_rope(style: str, rotary_dim: int, positions: int = 4096) -> RotarySpec:
-    inv = 1.0 / 1e4 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
-    ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None]
-    ang = torch.cat((ang, ang), -1) if style == "rotate_half" else ang.repeat_interleave(2, -1)
-    return RotarySpec(style, rotary_dim, ang.cos().float(), ang.sin().float())
+    return rope_spec(style, rotary_dim, positions)
 
 
 ROPES = {
