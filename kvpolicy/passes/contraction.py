@@ -33,6 +33,7 @@ __all__ = [
     "walk_to_cache_point",
     "is_symbolic",
     "op_name",
+    "reach",
     "LAYOUT_OPS",
 ]
 
@@ -144,8 +145,8 @@ def _einsum_labels(node: fx.Node) -> tuple[list[str], str, list[fx.Node]]:
     return [la, lb], batch + "ik", [a, b]
 
 
-def _through(node: fx.Node, allowed: frozenset[str], direction: str) -> list[fx.Node]:
-    """Nodes reached from ``node`` through ``allowed`` single-path ops (users or inputs)."""
+def reach(node: fx.Node, step) -> list[fx.Node]:
+    """``node`` and every node reachable from it by ``step(n) -> iterable of nodes``."""
     out, frontier, seen = [], [node], set()
     while frontier:
         n = frontier.pop()
@@ -153,11 +154,18 @@ def _through(node: fx.Node, allowed: frozenset[str], direction: str) -> list[fx.
             continue
         seen.add(n)
         out.append(n)
-        nxt = list(n.users) if direction == "down" else [a for a in n.all_input_nodes]
-        for m in nxt:
-            if m.op == "call_function" and op_name(m) in allowed:
-                frontier.append(m)
+        frontier.extend(step(n))
     return out
+
+
+def _through(node: fx.Node, allowed: frozenset[str], direction: str) -> list[fx.Node]:
+    """Nodes reached from ``node`` through ``allowed`` ops (following users or inputs)."""
+
+    def step(n: fx.Node):
+        nxt = n.users if direction == "down" else n.all_input_nodes
+        return [m for m in nxt if m.op == "call_function" and op_name(m) in allowed]
+
+    return reach(node, step)
 
 
 def _matmul_consumer(softmax: fx.Node) -> Consumer | None:

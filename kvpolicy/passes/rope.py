@@ -24,7 +24,7 @@ from torch import fx
 
 from ..errors import AnalysisError
 from ..facts import RopeFacts, RopeStyle
-from .contraction import LAYOUT_OPS, _expr, _shape, op_name
+from .contraction import LAYOUT_OPS, _expr, _shape, op_name, reach
 
 __all__ = ["RopeMatch", "find_rope", "key_dependent_nodes"]
 
@@ -65,15 +65,7 @@ def key_dependent_nodes(gm: fx.GraphModule, parameter_names: set[str]) -> set[fx
 
 def _walk_up(node: fx.Node, keep) -> list[fx.Node]:
     """``node`` and every ancestor reachable through inputs for which ``keep(input)``."""
-    out, stack, seen = [], [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        out.append(n)
-        stack.extend(a for a in n.all_input_nodes if keep(a))
-    return out
+    return reach(node, lambda n: [a for a in n.all_input_nodes if keep(a)])
 
 
 def _ancestors_within(node: fx.Node, allowed: set[fx.Node]) -> list[fx.Node]:
