@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from .api import BlockAnalysis, ModelAnalysis, analyse_model, derive_policy
 from .errors import KVPolicyError, PolicyError
-from .model_cache import KVPolicyCache, KVPolicyLayer, _packed_layer
+from .model_cache import KVPolicyCache
 from .passes import rewrite as rw
 from .passes.trace import AttentionCall, _is_cache_object, trace_block
 from .policy import ModelPolicy, load_spec
@@ -132,7 +132,6 @@ class CompiledModel:
     analysis: ModelAnalysis
     kinds: dict[str, dict[tuple, _KindGraph]]  # block kind -> call signature -> graph
     layer_kind: list[str]
-    originals: dict[int, Any]  # id(module) -> original bound forward (instance dict entry)
     cache_kw: str | None = None
 
     model_dtype: torch.dtype | None = None
@@ -314,9 +313,8 @@ def compile_model(
         "past_key_values" if "past_key_values" in params else None
     )
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    compiled = CompiledModel(pol, backend, analysis, kinds, layer_kind, {}, cache_kw, dtype)
+    compiled = CompiledModel(pol, backend, analysis, kinds, layer_kind, cache_kw, dtype)
     for i, module in enumerate(analysis.modules):
-        compiled.originals[id(module)] = module.__dict__.get("forward")
         module.forward = _BlockForward(compiled, module, i)
     _install_model_hooks(model, compiled)
     object.__setattr__(model, "_kvpolicy_compiled", compiled)
@@ -385,5 +383,3 @@ def _install_model_hooks(model: nn.Module, compiled: CompiledModel) -> None:
 
         model.generate = generate
 
-
-_ = KVPolicyLayer, _packed_layer

@@ -74,6 +74,8 @@ def decode_perplexity(
             f"segments of {segments.shape[1]} tokens are shorter than context + steps = "
             f"{context + steps}"
         )
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be positive")
     cache_kw = cache_keyword(model)
     # All segments decode as one batch: a decode step on CPU costs about the same for 1
     # or 4 rows (the weights are read once), so scoring N segments takes ~1/N the time.
@@ -286,7 +288,7 @@ def evaluate(
     if peers:
         runs += _peer_runs(load, segs, context, steps, fp.perplexity, user, per_token,
                            progress, notes)
-    consumed = _consumed(load, segs, context, bits, runs, notes)
+    consumed = _consumed(load, segs, context, bits, runs)
     report = EvalReport(model, segs.shape[0], context, steps, runs,
                         time.perf_counter() - start, consumed, notes)
     if out is not None:
@@ -386,7 +388,7 @@ _STUDY_NAMES = {
 }
 
 
-def _consumed(load, segs, context, bits, runs, notes):
+def _consumed(load, segs, context, bits, runs):
     """Errors where each tensor is consumed, on the model's own activations of the first
     segment's prefill, for the derived axes and their flips; ranked against perplexity."""
     from . import consumed
@@ -417,12 +419,12 @@ def _consumed(load, segs, context, bits, runs, notes):
 
 def _write(report: EvalReport, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text(report.to_markdown())
-    (out / "report.json").write_text(report.to_json())
     try:
         _plots(report, out)
-    except ImportError as exc:
+    except ImportError as exc:  # matplotlib is a dev extra; the note lands in the reports
         report.notes.append(f"plots skipped: {exc}")
+    (out / "report.md").write_text(report.to_markdown())
+    (out / "report.json").write_text(report.to_json())
 
 
 def _plots(report: EvalReport, out: Path) -> None:

@@ -20,15 +20,12 @@ So ``(axis_key, axis_value) = (-1, 0)`` is KIVI's choice: keys per channel, valu
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from .errors import KVPolicyError, PolicyError
 
@@ -235,38 +232,12 @@ def peer_decode_perplexity(
     takes). The prefill attends over its own full-precision states (transformers'
     ``QuantizedLayer`` returns them unquantized), so the cache is read only by decode steps.
     """
-    if segments.shape[1] < context + steps:
-        raise ValueError(
-            f"segments of {segments.shape[1]} tokens are shorter than context + steps = "
-            f"{context + steps}"
-        )
-    if steps < 1:
-        raise ValueError(f"steps={steps} must be positive")
-    params = inspect.signature(model.forward).parameters
-    cache_kw = "cache" if "cache" in params else "past_key_values"
-    nll, n, times = 0.0, 0, []
-    cache = None
-    bar = tqdm(total=len(segments) * steps, desc=desc, disable=not progress, unit="tok")
-    with torch.no_grad():
-        for seg in segments:
-            ids = seg[None]
-            cache = cache_factory()
-            out = model(ids[:, :context], use_cache=True, **{cache_kw: cache})
-            logits = out.logits[:, -1]
-            for i in range(steps):
-                target = ids[:, context + i]
-                nll += torch.nn.functional.cross_entropy(logits.float(), target).item()
-                n += 1
-                t0 = time.perf_counter()
-                out = model(ids[:, context + i : context + i + 1], use_cache=True,
-                            **{cache_kw: cache})
-                times.append(time.perf_counter() - t0)
-                logits = out.logits[:, -1]
-                bar.update(1)
-    bar.close()
-    times.sort()
-    return PeerResult(math.exp(nll / n), n, times[len(times) // 2], cache_bytes(cache), nll,
-                      cache)
+    from .evaluation import decode_perplexity
+
+    res = decode_perplexity(model, segments, context, steps, desc=desc, progress=progress,
+                            make_cache=cache_factory)
+    return PeerResult(res.perplexity, res.tokens, res.seconds_per_step,
+                      cache_bytes(res.cache), res.nll, res.cache)
 
 
 def _check_token_groups(model: torch.nn.Module, context: int, residual: int,
