@@ -10,12 +10,20 @@ cache that attention reads directly.
     model.generate(...)
 """
 
-from .api import analyse_model, derive_policy, inspect
+from .api import analyse_model, derive_policy, inspect, save_policy
 from .compiler import compile_model
 from .errors import AnalysisError, CacheError, KVPolicyError, PolicyError, ZooError
 from .evaluation import evaluate
 from .model_cache import KVPolicyCache
-from .policy import Axis, ModelPolicy, PolicySpec, TensorKind, TensorPolicy, load_spec
+from .policy import (
+    Axis,
+    Calibration,
+    ModelPolicy,
+    PolicySpec,
+    TensorKind,
+    TensorPolicy,
+    load_spec,
+)
 
 __version__ = "0.1.0"
 
@@ -26,12 +34,14 @@ __all__ = [
     "analyse_model",
     "derive_policy",
     "inspect",
+    "save_policy",
     "AnalysisError",
     "CacheError",
     "KVPolicyError",
     "PolicyError",
     "ZooError",
     "Axis",
+    "Calibration",
     "ModelPolicy",
     "PolicySpec",
     "TensorKind",

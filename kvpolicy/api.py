@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .errors import AnalysisError
+from .errors import AnalysisError, KVPolicyError
 from .facts import LayerFacts, TensorFacts
 from .passes.contraction import (
     CachePoint,
@@ -38,12 +38,15 @@ from .passes.trace import (
 )
 from .policy import ModelPolicy, PolicySpec, build_policy, load_spec
 
-__all__ = ["BlockAnalysis", "ModelAnalysis", "analyse_model", "derive_policy", "inspect"]
+__all__ = [
+    "BlockAnalysis", "ModelAnalysis", "analyse_model", "derive_policy", "inspect", "save_policy",
+]
 
 log = logging.getLogger(__name__)
 
 _POLICY_ATTR = "_kvpolicy_policy"
 _ANALYSIS_ATTR = "_kvpolicy_analysis"
+_SPEC_ATTR = "_kvpolicy_spec"
 
 
 @dataclass
@@ -205,8 +208,10 @@ def _model_name(model: nn.Module) -> str:
 
 def derive_policy(
     model: nn.Module,
-    bits: int = 2,
+    bits: int | float = 2,
     policy: str | Path | Mapping[str, Any] | PolicySpec | None = None,
+    calibration: Any = None,
+    progress: bool = True,
 ) -> ModelPolicy:
     """Derive the quantization policy of every cached tensor of ``model``.
 
@@ -214,12 +219,19 @@ def derive_policy(
         model: a ``transformers`` causal LM or any ``nn.Module`` whose forward takes token
             ids and runs attention (``scaled_dot_product_attention`` or
             matmul -> softmax -> matmul).
-        bits: code width when ``policy`` is None (the ``kvpolicy-<bits>`` preset).
+        bits: code width when ``policy`` is None (the ``kvpolicy-<bits>`` preset). A float
+            (``2.5``, also ``3.0``) is a budget: the average code bits per cached element,
+            spread over the tensors by their measured sensitivity (``kvpolicy.budget``).
         policy: a preset name (``"kivi-2"``), a YAML path, a dict or a ``PolicySpec``.
+        calibration: for a budget only: ``[B, T]`` token ids to measure sensitivity on, a
+            tokenizer for the default text, or a ``Calibration`` measured before. Default:
+            the policy file's saved calibration, else the last 512 pydoc tokens.
+        progress: show a progress bar while calibrating.
 
     Returns:
         A ``ModelPolicy``: per layer, key then value, axis/bits/group/pre-RoPE/residual/
-        sinks with the contraction found and a reason.
+        sinks with the contraction found and a reason. The spec it came from (with the
+        calibration, for a budget) is kept on the model for ``save_policy``.
 
     Raises:
         PolicyError: the policy is invalid or does not fit the model.
@@ -227,7 +239,33 @@ def derive_policy(
     """
     spec = load_spec(policy, bits=bits)
     analysis = analyse_model(model)
-    return build_policy(analysis.layers, spec, model_name=_model_name(model))
+    result = build_policy(analysis.layers, spec, model_name=_model_name(model))
+    if spec.budget is not None:
+        from .budget import budget_policy
+
+        result, cal = budget_policy(model, result, spec, calibration, progress=progress)
+        spec = spec.model_copy(update={"calibration": cal})
+    object.__setattr__(model, _SPEC_ATTR, spec)
+    return result
+
+
+def save_policy(model: nn.Module, path: str | Path) -> Path:
+    """Write the spec behind ``model``'s last derived or compiled policy as a YAML policy
+    file, with its calibration for a budget: compiling from that file gives the same policy
+    without calibrating again.
+
+    Raises:
+        KVPolicyError: no policy was derived for ``model`` yet.
+    """
+    spec = getattr(model, _SPEC_ATTR, None)
+    if spec is None:
+        raise KVPolicyError(
+            f"no policy was derived for this {type(model).__name__} yet; call "
+            "kvpolicy.compile_model or kvpolicy.derive_policy first"
+        )
+    out = Path(path)
+    out.write_text(spec.to_yaml(), encoding="utf-8")
+    return out
 
 
 def inspect(model: nn.Module) -> ModelPolicy:

@@ -238,18 +238,26 @@ def _full_precision(policy: ModelPolicy) -> ModelPolicy:
 
 def compile_model(
     model: nn.Module,
-    bits: int = 2,
+    bits: int | float = 2,
     policy: Any = None,
     backend: str = "auto",
+    calibration: Any = None,
+    progress: bool = True,
 ) -> nn.Module:
     """Rewrite every attention block of ``model`` onto a packed, quantized KV cache.
 
     Args:
         model: a transformers causal LM or any module whose forward takes token ids.
         bits: code width when ``policy`` is None (the ``kvpolicy-<bits>`` preset; 16 keeps
-            everything in full precision).
+            everything in full precision), or a float budget such as ``2.5``: the average
+            code bits per cached element, allocated per tensor from its sensitivity measured
+            where it is consumed (one calibration forward; see ``kvpolicy.budget``).
         policy: preset name, YAML path, dict or ``PolicySpec`` (see ``derive_policy``).
         backend: ``"torch"``, ``"triton"`` or ``"auto"`` (triton for CUDA tensors).
+        calibration: for a budget: token ids, a tokenizer or a saved ``Calibration`` (see
+            ``derive_policy``); ``kvpolicy.save_policy(model, path)`` writes it into a
+            policy file so that a later compile skips calibrating.
+        progress: show a progress bar while calibrating.
 
     Returns:
         The same model object, compiled: ``model.generate`` and manual decode loops work
@@ -268,7 +276,8 @@ def compile_model(
     if backend not in _BACKENDS:
         raise KVPolicyError(f"backend={backend!r} is not one of {_BACKENDS}")
     spec = load_spec(policy, bits=bits)
-    pol = derive_policy(model, bits=bits, policy=spec)
+    pol = derive_policy(model, bits=bits, policy=spec, calibration=calibration,
+                        progress=progress)
     analysis = analyse_model(model)
     _check_policy_fits(pol)
 

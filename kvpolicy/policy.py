@@ -23,6 +23,7 @@ the built-in group size does not divide head_dim, is written in the tensor's rea
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,6 +38,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -50,7 +52,10 @@ from .facts import Contracted, LayerFacts, TensorFacts
 
 __all__ = [
     "SUPPORTED_BITS",
+    "BUDGET_WIDTHS",
     "Axis",
+    "Calibration",
+    "LayerSensitivity",
     "TensorKind",
     "TensorPolicy",
     "ModelPolicy",
@@ -67,6 +72,8 @@ __all__ = [
 # there because that module pulls in torch and the CLI wants a fast `--help`.
 SUPPORTED_BITS: tuple[int, ...] = (1, 2, 3, 4, 8, 16)
 FULL_PRECISION = 16
+# The widths a bit budget (a non-integer ``bits``) chooses from, one per tensor.
+BUDGET_WIDTHS: tuple[int, ...] = (1, 2, 3, 4, 8)
 
 # kvpolicy's own defaults (DESIGN.md §1–§2): KIVI's group size and residual window, four
 # sink tokens, keys quantized before RoPE wherever the key path has one.
@@ -77,7 +84,7 @@ _KVPOLICY_DEFAULTS: dict[str, Any] = {
     "pre_rope": True,
 }
 
-_SPEC_KEYS = ("version", "defaults", "overrides")
+_SPEC_KEYS = ("version", "defaults", "overrides", "calibration")
 
 
 class Axis(str, Enum):
@@ -133,6 +140,36 @@ def _check_bits(bits: int) -> None:
         raise _invalid(
             "bits", f"{bits} bits is not supported; use one of {supported} (16 = full precision)"
         )
+
+
+def _check_bits_or_budget(bits: int | float) -> int | float:
+    """A width (an int of SUPPORTED_BITS) or a budget (any float in [1, 16], so ``3.0`` is a
+    budget that averages 3 bits while ``3`` is every tensor at 3 bits)."""
+    if isinstance(bits, float):
+        if not math.isfinite(bits):
+            raise _invalid("bits", f"bits={bits} is not a number of bits")
+        if bits < BUDGET_WIDTHS[0] or bits > FULL_PRECISION:
+            raise _invalid(
+                "bits",
+                f"a bit budget of {bits} is outside [{BUDGET_WIDTHS[0]}, {FULL_PRECISION}]: "
+                f"the smallest width is {BUDGET_WIDTHS[0]} bit and {FULL_PRECISION} is full "
+                "precision; give an average between them, e.g. 2.5",
+            )
+        return bits
+    if bits not in SUPPORTED_BITS:
+        supported = ", ".join(map(str, SUPPORTED_BITS))
+        raise _invalid(
+            "bits",
+            f"{bits} bits is not supported; use one of {supported} (16 = full precision), or a "
+            f"float such as 2.5 or {float(bits)} for a budget: that average of code bits per "
+            "element, spread over the tensors by measured sensitivity",
+        )
+    return bits
+
+
+def is_budget(bits: int | float) -> bool:
+    """True when ``bits`` is a budget (a float), not a width (an int)."""
+    return isinstance(bits, float)
 
 
 def _join_or(items: Sequence[int]) -> str:
@@ -191,6 +228,68 @@ def _check_divides(group_size: int, head_dim: int, bits: int) -> None:
     )
 
 
+# --------------------------------------------------------------------------- calibration
+
+
+class LayerSensitivity(_Frozen):
+    """Measured consumed error of one layer's key and value at each candidate width.
+
+    ``key[i]`` / ``value[i]``: the error at ``Calibration.widths[i]`` when only that tensor
+    is quantized (None: the width does not fit the tensor's group size).
+    """
+
+    layer: StrictInt = Field(ge=0)
+    key: tuple[Union[float, None], ...]
+    value: tuple[Union[float, None], ...]
+
+
+class Calibration(_Frozen):
+    """The sensitivity table a bit budget is allocated from (``kvpolicy.budget.calibrate``).
+
+    One currency for both tensors: the relative error of the attention block's output
+    (``‖o' − o‖ / ‖o‖``, over the query rows that read quantized tokens) when one
+    tensor of one layer is quantized at one width and everything else is exact. Keys act
+    through the scores and the softmax, values through the weighted sum.
+
+    ``settings`` fingerprints what the errors depend on besides the width (per tensor:
+    axis, group size, pre-RoPE, residual, sinks; see ``ModelPolicy.calibration_key``), so a
+    saved table is refused once those change.
+    """
+
+    metric: StrictStr = "relative attention-output error"
+    model: StrictStr = ""
+    source: StrictStr  # which tokens: "pydoc text, last 512 tokens" or "user token ids"
+    tokens: StrictInt = Field(gt=0)  # per row
+    rows: StrictInt = Field(default=1, gt=0)
+    seconds: float = Field(default=0.0, ge=0)
+    settings: StrictStr
+    widths: tuple[StrictInt, ...] = Field(min_length=1)
+    layers: tuple[LayerSensitivity, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _shapes(self) -> Calibration:
+        for w in self.widths:
+            if w not in BUDGET_WIDTHS:
+                raise _invalid("widths", f"width {w} is not one of {BUDGET_WIDTHS}")
+        for ls in self.layers:
+            if len(ls.key) != len(self.widths) or len(ls.value) != len(self.widths):
+                raise _invalid(
+                    "layers",
+                    f"layer {ls.layer}: {len(ls.key)} key and {len(ls.value)} value errors for "
+                    f"{len(self.widths)} widths",
+                )
+        return self
+
+    def errors(self, layer: int, tensor: TensorKind | str) -> dict[int, float]:
+        """``{width: error}`` of one tensor, feasible widths only; KeyError if not measured."""
+        kind = TensorKind(tensor)
+        for ls in self.layers:
+            if ls.layer == layer:
+                row = ls.key if kind is TensorKind.KEY else ls.value
+                return {w: e for w, e in zip(self.widths, row, strict=True) if e is not None}
+        raise KeyError(f"layer {layer} is not in this calibration")
+
+
 # --------------------------------------------------------------------------- result
 
 
@@ -206,6 +305,7 @@ class TensorPolicy(_Frozen):
     residual: StrictInt = Field(ge=0)  # most recent tokens kept in full precision
     sinks: StrictInt = Field(ge=0)  # first tokens kept in full precision
     head_dim: StrictInt = Field(gt=0)
+    num_kv_heads: StrictInt = Field(default=1, gt=0)  # cached heads: elements = heads*head_dim
     contraction: StrictStr  # e.g. "q·kᵀ over head_dim=64 (scaled_dot_product_attention)"
     rope: StrictStr | None = None  # e.g. "rotate_half 64/64"; None: no RoPE on this path
     rope_style: StrictStr | None = None
@@ -213,6 +313,9 @@ class TensorPolicy(_Frozen):
     derived_axis: Axis  # what the analysis derived, kept so a reason survives an override
     derived_pre_rope: StrictBool
     overridden: StrictBool = False
+    # Who chose ``bits``: the defaults (a width), an override rule, or a bit budget's
+    # allocator (from the measured sensitivity in ``ModelPolicy.calibration``).
+    bits_from: Literal["defaults", "rule", "budget"] = "defaults"
     reason: StrictStr
 
     @field_validator("bits")
@@ -254,6 +357,18 @@ class TensorPolicy(_Frozen):
         """True when the tensor is stored unquantized (``bits == 16``)."""
         return self.bits == FULL_PRECISION
 
+    @property
+    def elements_per_token(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def bytes_per_token(self, scale_bytes: int = 2) -> float:
+        """Bytes one token of this tensor takes once packed: codes plus a scale and a zero
+        per group (``scale_bytes`` each; fp16 by default), or 2 bytes per element at 16 bits.
+        The full-precision sink and residual windows are not counted."""
+        if self.full_precision:
+            return 2.0 * self.elements_per_token
+        return self.elements_per_token * (self.bits / 8 + 2 * scale_bytes / self.group_size)
+
 
 class ModelPolicy(_Frozen):
     """The policy of every cached tensor of a model, in layer order (key, then value)."""
@@ -262,6 +377,10 @@ class ModelPolicy(_Frozen):
     model: StrictStr = ""
     source: StrictStr = ""  # the spec it was built from: preset name, file path or "<dict>"
     tensors: tuple[TensorPolicy, ...] = Field(min_length=1)
+    # A bit budget (average code bits per cached element) and the measured sensitivity it
+    # was allocated from; None for uniform widths.
+    budget: float | None = None
+    calibration: Calibration | None = None
 
     @model_validator(mode="after")
     def _layer_order(self) -> ModelPolicy:
@@ -310,13 +429,34 @@ class ModelPolicy(_Frozen):
 
     @property
     def avg_bits(self) -> float:
-        """Code bits per cached element, weighted by head_dim (16 for full-precision tensors).
+        """Code bits per cached element over all layers and both tensors, weighted by each
+        tensor's elements per token (16 for full-precision tensors).
 
         Scales, zeros and the full-precision residual/sink windows are not counted: this is
-        the width of the quantized body, what the ``bits`` settings buy.
+        the width of the quantized body, what the ``bits`` settings (and a budget) buy.
         """
-        total = sum(t.head_dim for t in self.tensors)
-        return sum(t.bits * t.head_dim for t in self.tensors) / total
+        total = sum(t.elements_per_token for t in self.tensors)
+        return sum(t.bits * t.elements_per_token for t in self.tensors) / total
+
+    def bytes_per_token(self, scale_bytes: int = 2) -> float:
+        """Bytes one packed token takes over all layers, scales and zeros counted (see
+        ``TensorPolicy.bytes_per_token``)."""
+        return sum(t.bytes_per_token(scale_bytes) for t in self.tensors)
+
+    @property
+    def fp16_bytes_per_token(self) -> int:
+        """Bytes one token takes in an fp16 cache, for comparison."""
+        return 2 * sum(t.elements_per_token for t in self.tensors)
+
+    def calibration_key(self) -> str:
+        """A fingerprint of everything a measured sensitivity depends on except the widths:
+        the model name and, per tensor, layer, axis, group size, pre-RoPE, residual, sinks."""
+        parts = [self.model] + [
+            f"{t.layer}{t.tensor.value[0]}:{t.axis.value}:{t.group_size}:{int(t.pre_rope)}:"
+            f"{t.residual}:{t.sinks}:{t.num_kv_heads}x{t.head_dim}"
+            for t in self.tensors
+        ]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
     def get(self, layer: int, tensor: TensorKind | str) -> TensorPolicy:
         """The policy of one tensor; ``KeyError`` if the layer has no attention here."""
@@ -466,7 +606,28 @@ def _render_table(policy: ModelPolicy) -> str:
         f"{policy.avg_bits:.2f} code bits per element on average"
     )
     rule = "  ".join("-" * w for w in widths) + "  " + "-" * len("reason")
-    return "\n".join([title, line(header), rule, *(line(r) for r in rows[1:])])
+    return "\n".join([title, line(header), rule, *(line(r) for r in rows[1:]), rule,
+                      _footer(policy)])
+
+
+def _footer(policy: ModelPolicy) -> str:
+    """Achieved average bits (against the budget, if any) and bytes per token vs fp16."""
+    packed, fp16 = policy.bytes_per_token(), policy.fp16_bytes_per_token
+    text = f"average {policy.avg_bits:.3f} code bits per cached element"
+    if policy.budget is not None:
+        text += f" (budget {policy.budget:g}"
+        if policy.calibration is not None:
+            cal = policy.calibration
+            text += (
+                f"; widths allocated from the {cal.metric} measured on {cal.source}, "
+                f"{cal.rows}x{cal.tokens} tokens"
+            )
+        text += ")"
+    return (
+        f"{text}; {packed:,.0f} bytes per packed token vs {fp16:,} in fp16 "
+        f"({fp16 / packed:.2f}x smaller; fp16 scales and zeros counted, the full-precision "
+        "sink and residual windows not)"
+    )
 
 
 # --------------------------------------------------------------------------- spec
@@ -531,7 +692,9 @@ class Defaults(_Frozen):
     that does not divide is an error.
     """
 
-    bits: StrictInt = 2
+    # A width from SUPPORTED_BITS, or a float budget: the average code bits per cached
+    # element, spread over the tensors by measured sensitivity (kvpolicy.budget).
+    bits: Union[StrictInt, StrictFloat] = 2
     group_size: StrictInt = Field(default=_KVPOLICY_DEFAULTS["group_size"], gt=0)
     residual: StrictInt = Field(default=_KVPOLICY_DEFAULTS["residual"], ge=0)
     sinks: StrictInt = Field(default=_KVPOLICY_DEFAULTS["sinks"], ge=0)
@@ -543,13 +706,13 @@ class Defaults(_Frozen):
 
     @field_validator("bits")
     @classmethod
-    def _bits_supported(cls, bits: int) -> int:
-        _check_bits(bits)
-        return bits
+    def _bits_supported(cls, bits: int | float) -> int | float:
+        return _check_bits_or_budget(bits)
 
     @model_validator(mode="after")
     def _aligned(self) -> Defaults:
-        _check_byte_aligned(self.group_size, self.bits)
+        if not is_budget(self.bits):  # a budget's widths are checked per tensor
+            _check_byte_aligned(self.group_size, self.bits)
         return self
 
 
@@ -631,12 +794,36 @@ def _describe_layers(layer_ids: Sequence[int]) -> str:
 
 
 class PolicySpec(_Frozen):
-    """A user's policy request: defaults for every tensor plus ordered override rules."""
+    """A user's policy request: defaults for every tensor plus ordered override rules, and
+    for a bit budget optionally the measured sensitivity to allocate it from."""
 
     version: Literal[1] = 1
     source: StrictStr = "<dict>"  # for messages: file path, "<dict>" or preset name
     defaults: Defaults = Field(default_factory=Defaults)
     overrides: tuple[OverrideRule, ...] = ()
+    calibration: Calibration | None = None
+
+    @property
+    def budget(self) -> float | None:
+        """The average-bit budget when ``defaults.bits`` is one, else None."""
+        return self.defaults.bits if is_budget(self.defaults.bits) else None
+
+    def to_yaml(self) -> str:
+        """This spec as a policy file: the defaults that were given, the overrides, and the
+        calibration if any (so that compiling from the file skips calibrating)."""
+        given = self.defaults.model_fields_set | {"bits"}
+        defaults = self.defaults.model_dump(mode="json", include=given)
+        doc: dict[str, Any] = {
+            "version": self.version,
+            "defaults": {k: v for k, v in defaults.items() if v is not None},
+        }
+        if self.overrides:
+            doc["overrides"] = [
+                r.model_dump(mode="json", exclude_none=True) for r in self.overrides
+            ]
+        if self.calibration is not None:
+            doc["calibration"] = self.calibration.model_dump(mode="json")
+        return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=1 << 16)
 
 
 # --------------------------------------------------------------------------- loading
@@ -752,8 +939,21 @@ def _text_or_file(text_or_path: str | Path, label: str) -> tuple[str, str]:
     return text_or_path, label
 
 
+def _bits_argument(bits: Any) -> int | float:
+    """Validate a ``bits=`` argument: a supported width or a float budget."""
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)):
+        raise PolicyError(
+            f"bits={bits!r} is not a number; use one of {', '.join(map(str, SUPPORTED_BITS))} "
+            "or a float budget such as 2.5"
+        )
+    try:
+        return _check_bits_or_budget(float(bits) if isinstance(bits, float) else int(bits))
+    except PydanticCustomError as exc:
+        raise PolicyError(f"bits={bits!r}: {exc.message()}") from None
+
+
 def load_spec(
-    policy: str | Path | Mapping[str, Any] | PolicySpec | None = None, bits: int = 2
+    policy: str | Path | Mapping[str, Any] | PolicySpec | None = None, bits: int | float = 2
 ) -> PolicySpec:
     """Turn what a user passed as ``policy=`` into a validated ``PolicySpec``.
 
@@ -762,18 +962,17 @@ def load_spec(
             ``list_presets()``, a path to a YAML file (``str`` or ``Path``), a dict of the
             same form, or a ``PolicySpec`` (returned as is).
         bits: code width for ``policy=None``; with a file or dict, the ``kvpolicy-<bits>``
-            defaults are the base that the document's ``defaults`` are layered over.
+            defaults are the base that the document's ``defaults`` are layered over. A float
+            (``2.5``, also ``3.0``) is a budget: the average code bits per cached element,
+            allocated per tensor from measured sensitivity (``kvpolicy.budget``); an int
+            is one width for every tensor.
 
     Raises:
         PolicyError: naming the source, ``defaults`` or ``rule N``, and the field.
     """
     if isinstance(policy, PolicySpec):
         return policy
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
-        raise PolicyError(
-            f"bits={bits!r} is not supported; use one of {', '.join(map(str, SUPPORTED_BITS))}"
-            " (16 = full precision)"
-        )
+    bits = _bits_argument(bits)
     presets = list_presets()
     if policy is None:
         name = f"kvpolicy-{bits}"
@@ -794,7 +993,9 @@ def load_spec(
     )
 
 
-def _spec_from_document(doc: Any, source: str, bits: int, builtin: bool = False) -> PolicySpec:
+def _spec_from_document(
+    doc: Any, source: str, bits: int | float, builtin: bool = False
+) -> PolicySpec:
     """Validate a parsed document. ``builtin``: a shipped preset, whose defaults count as
     kvpolicy's own rather than written by the user (see ``Defaults``)."""
     if not isinstance(doc, Mapping):
@@ -834,6 +1035,8 @@ def _spec_from_document(doc: Any, source: str, bits: int, builtin: bool = False)
     }
     if "version" in doc:
         payload["version"] = doc["version"]
+    if doc.get("calibration") is not None:
+        payload["calibration"] = doc["calibration"]
     try:
         spec = PolicySpec.model_validate(payload)
     except ValidationError as exc:
@@ -850,6 +1053,8 @@ def _spec_where(loc: tuple[Any, ...]) -> tuple[str | None, Any, type[BaseModel]]
         return "defaults", loc[1] if len(loc) > 1 else None, Defaults
     if loc and loc[0] == "overrides" and len(loc) > 1 and isinstance(loc[1], int):
         return f"rule {loc[1] + 1}", loc[2] if len(loc) > 2 else None, OverrideRule
+    if loc and loc[0] == "calibration":
+        return "calibration", ".".join(map(str, loc[1:])) or None, Calibration
     return "top level", loc[0] if loc else None, PolicySpec
 
 
@@ -1004,6 +1209,10 @@ def build_policy(
             raise PolicyError(f"{spec.source}, rule {i + 1}, field 'layers': {exc}") from None
 
     d = spec.defaults
+    # A budget's tensors start at the widest width within it; kvpolicy.budget reallocates.
+    start_bits = (
+        max(w for w in BUDGET_WIDTHS if w <= d.bits) if is_budget(d.bits) else d.bits
+    )
     tensors: list[TensorPolicy] = []
     all_origins: list[dict[str, int]] = []
     for lf in ordered:
@@ -1011,7 +1220,7 @@ def build_policy(
             derived_axis = _AXIS_OF[Contracted(tf.contracted)]
             has_rope = kind is TensorKind.KEY and tf.rope is not None
             values: dict[str, Any] = {
-                "bits": d.bits,
+                "bits": start_bits,
                 "group_size": d.group_size,
                 "residual": d.residual,
                 "sinks": d.sinks,
@@ -1057,6 +1266,8 @@ def build_policy(
                     tensor=kind,
                     **values,
                     head_dim=tf.head_dim,
+                    num_kv_heads=tf.num_kv_heads,
+                    bits_from="rule" if origins["bits"] >= 0 else "defaults",
                     contraction=tf.contraction,
                     rope=rope_short,
                     rope_style=rope_style,

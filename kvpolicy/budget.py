@@ -1,0 +1,412 @@
+"""Bit budgets: how many bits each cached tensor gets, from where it is consumed.
+
+``compile_model(model, bits=2.5)`` treats a non-integer ``bits`` as a *budget*: the
+average code bits per cached element over all layers and both tensors. Three steps:
+
+``calibrate(model, policy)``
+    One forward over calibration text (default: the last 512 tokens of the pydoc text,
+    which the eval's segments never reach) captures every layer's q, k, v at the consumer
+    (:mod:`kvpolicy.consumed`). For each layer, tensor and width in ``BUDGET_WIDTHS`` it
+    quantizes *that tensor alone*, with the policy's axis, group size, pre-RoPE ordering,
+    sinks and residual window, and measures the relative error of the attention output
+    (``‖o' − o‖ / ‖o‖``, the ``output_err`` of :mod:`kvpolicy.consumed`, which ranks axis
+    policies as decode perplexity does): keys through the scores and the softmax, values
+    through the weighted sum. One currency for both tensors, so bits can move between them.
+``allocate(errors, sizes, budget)``
+    Exact minimum of the summed error subject to the budget: a multiple-choice knapsack
+    solved by dynamic programming over the budget in units of the smallest tensor size.
+``apply_budget(policy, calibration)``
+    Writes the widths into the policy; each reason quotes the measured errors.
+
+Tensors whose ``bits`` an override rule sets are pinned: they keep their width, count
+against the budget, and the rest of it is spread over the other tensors.
+
+Decode-time cache schedule modelled by the calibration (``cache.PackedKVLayer``): the query
+at position ``i`` reads the tokens ``[sinks, sinks + p(i))`` quantized, where ``p(i)`` is
+the number of tokens packed once ``i + 1`` tokens have arrived (whole chunks leave the
+residual window once it holds ``residual + chunk``); everything else it reads exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import KVPolicyError, PolicyError
+from .kernels import reference
+from .kernels.layout import QuantSpec
+from .policy import (
+    BUDGET_WIDTHS,
+    Calibration,
+    LayerSensitivity,
+    ModelPolicy,
+    PolicySpec,
+    TensorPolicy,
+)
+
+__all__ = [
+    "CALIBRATION_TOKENS",
+    "calibrate",
+    "calibration_ids",
+    "allocate",
+    "apply_budget",
+    "budget_policy",
+]
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_TOKENS = 512
+_EPS = 1e-30
+
+
+# --------------------------------------------------------------------------- input
+
+
+def _find_tokenizer(model: nn.Module):
+    """The tokenizer saved beside the model's weights (``config._name_or_path``), or None."""
+    path = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if not path or not Path(path).is_dir():
+        return None
+    if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def calibration_ids(
+    model: nn.Module, tokens: int = CALIBRATION_TOKENS, tokenizer: Any = None
+) -> tuple[torch.Tensor, str]:
+    """The default calibration input: the last ``tokens`` tokens of the pydoc text.
+
+    The eval's segments start at the beginning of the text, so this never overlaps them.
+
+    Raises:
+        KVPolicyError: no tokenizer given and none saved beside the model.
+    """
+    from .data import pydoc_tokens
+
+    tok = tokenizer if tokenizer is not None else _find_tokenizer(model)
+    if tok is None:
+        raise KVPolicyError(
+            f"a bit budget needs calibration text in the model's own tokens, and "
+            f"{type(model).__name__} has no tokenizer saved at config._name_or_path; pass "
+            "calibration=<[B, T] token ids> (about 512 tokens of text like yours) or "
+            "calibration=<a tokenizer>"
+        )
+    ids = pydoc_tokens(tok)
+    if ids.numel() < tokens:
+        raise KVPolicyError(f"the pydoc text has only {ids.numel()} tokens, {tokens} requested")
+    return ids[-tokens:][None], f"pydoc text, last {tokens} tokens"
+
+
+# --------------------------------------------------------------------------- measure
+
+
+def _packed_counts(t: int, sinks: int, residual: int, chunk: int) -> torch.Tensor:
+    """``p(i)``: tokens packed once ``i + 1`` tokens arrived (see the module docstring)."""
+    n = torch.arange(1, t + 1)
+    r = (n - sinks).clamp_min(0)
+    return ((r - residual).clamp_min(0) // chunk) * chunk
+
+
+def _rel(approx: torch.Tensor, exact: torch.Tensor, rows: torch.Tensor) -> float:
+    """``‖approx − exact‖ / ‖exact‖`` over the query rows ``rows``."""
+    d = (approx - exact)[..., rows, :]
+    return float(d.norm() / exact[..., rows, :].norm().clamp_min(_EPS))
+
+
+def _expand(x: torch.Tensor, hq: int) -> torch.Tensor:
+    return x.repeat_interleave(hq // x.shape[1], dim=1)
+
+
+def _fits(t: TensorPolicy, width: int) -> bool:
+    return (t.group_size * width) % 8 == 0
+
+
+@torch.no_grad()
+def _layer_errors(act, kp: TensorPolicy, vp: TensorPolicy, widths: Sequence[int],
+                  store: torch.dtype) -> tuple[list[float | None], list[float | None]]:
+    q, k, v = act.query, act.key, act.value
+    b, hq, t, _ = q.shape
+    sinks, residual = kp.sinks, kp.residual
+    token_group = [p.group_size if p.axis.value == "channel" else 1 for p in (kp, vp)]
+    chunk = math.lcm(*token_group)
+    p = _packed_counts(t, sinks, residual, chunk).to(q.device)
+    n_packed = int(p[-1])
+    if n_packed == 0:
+        raise KVPolicyError(
+            f"layer {act.layer}: {t} calibration tokens never leave the full-precision windows "
+            f"(sinks {sinks} + residual {residual} + a chunk of {chunk}); calibrate on at "
+            f"least {sinks + residual + chunk} tokens"
+        )
+    rows = p > 0
+    j = torch.arange(t, device=q.device)
+    quantized = (j[None, :] >= sinks) & (j[None, :] < sinks + p[:, None])  # [query, key]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    seg = slice(sinks, sinks + n_packed)
+
+    scores = torch.matmul(q, _expand(k, hq).transpose(-1, -2)) * act.scale
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    out = torch.matmul(probs, _expand(v, hq))
+    pre_rope = kp.pre_rope and act.cos is not None
+    if pre_rope:
+        rope, positions = act.rotary(t)
+    key_errs: list[float | None] = []
+    value_errs: list[float | None] = []
+    for w in widths:
+        if not _fits(kp, w):
+            key_errs.append(None)
+        else:
+            stored = act.key_pre if pre_rope else k
+            packed = reference.quantize(stored[:, :, seg].contiguous(),
+                                        QuantSpec(w, kp.group_size, kp.axis.value), store)
+            k_seg = reference.dequantize(packed, QuantSpec(w, kp.group_size, kp.axis.value))
+            if pre_rope:
+                k_seg = reference.apply_rope(k_seg, positions[:, seg], rope)
+            k_hat = k.clone()
+            k_hat[:, :, seg] = k_seg
+            s_hat = torch.matmul(q, _expand(k_hat, hq).transpose(-1, -2)) * act.scale
+            s_mix = torch.where(quantized, s_hat, scores).masked_fill(~causal, float("-inf"))
+            out_k = torch.matmul(torch.softmax(s_mix, dim=-1), _expand(v, hq))
+            key_errs.append(_rel(out_k, out, rows))
+        if not _fits(vp, w):
+            value_errs.append(None)
+        else:
+            spec = QuantSpec(w, vp.group_size, vp.axis.value)
+            v_seg = reference.dequantize(
+                reference.quantize(v[:, :, seg].contiguous(), spec, store), spec
+            )
+            dv = torch.zeros_like(v)
+            dv[:, :, seg] = v_seg - v[:, :, seg]
+            out_v = out + torch.matmul(probs * quantized, _expand(dv, hq))
+            value_errs.append(_rel(out_v, out, rows))
+    return key_errs, value_errs
+
+
+def calibrate(
+    model: nn.Module,
+    policy: ModelPolicy,
+    input_ids: torch.Tensor | None = None,
+    *,
+    tokenizer: Any = None,
+    widths: Sequence[int] = BUDGET_WIDTHS,
+    progress: bool = True,
+) -> Calibration:
+    """Measure how much each tensor of each layer costs at each width, where consumed.
+
+    Args:
+        model: the uncompiled model (its attention must call SDPA; see ``consumed``).
+        policy: axes, group sizes, pre-RoPE, sinks and residual of every tensor (bits are
+            ignored: every width of ``widths`` is measured).
+        input_ids: ``[B, T]`` calibration token ids; default :func:`calibration_ids`.
+        tokenizer: for the default text when the model has none saved beside it.
+        widths: candidate widths, a subset of ``BUDGET_WIDTHS``.
+
+    Returns:
+        A :class:`~kvpolicy.policy.Calibration`; deterministic for the same input.
+    """
+    from tqdm.auto import tqdm
+
+    from .consumed import capture_activations
+
+    start = time.perf_counter()
+    if input_ids is None:
+        input_ids, source = calibration_ids(model, tokenizer=tokenizer)
+    else:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None
+            raise KVPolicyError(
+                f"calibration token ids must be a [B, T] integer tensor, got "
+                f"{type(input_ids).__name__} {shape or ''}".rstrip()
+            )
+        source = "user token ids"
+    widths = tuple(widths)
+    bad = [w for w in widths if w not in BUDGET_WIDTHS]
+    if bad or not widths:
+        raise KVPolicyError(f"widths {list(widths)}: choose from {BUDGET_WIDTHS}")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    dtype = next((p.dtype for p in model.parameters()), torch.float32)
+    # The dtype scales and zeros are stored in (model_cache.storage_dtype): fp16 for fp32
+    # models, the model's own otherwise.
+    store = torch.float16 if dtype == torch.float32 else dtype
+    acts = capture_activations(model, input_ids.to(device))
+    layers = []
+    for act in tqdm(acts, desc="calibrating", unit="layer", disable=not progress):
+        ke, ve = _layer_errors(act, policy.get(act.layer, "key"),
+                               policy.get(act.layer, "value"), widths, store)
+        layers.append(LayerSensitivity(layer=act.layer, key=tuple(ke), value=tuple(ve)))
+        act.query = act.key = act.key_pre = act.value = None  # type: ignore[assignment]
+    cal = Calibration(
+        model=policy.model, source=source, tokens=int(input_ids.shape[1]),
+        rows=int(input_ids.shape[0]), seconds=round(time.perf_counter() - start, 3),
+        settings=policy.calibration_key(), widths=widths, layers=tuple(layers),
+    )
+    log.info("calibrated %d layers x %d widths in %.1f s", len(layers), len(widths),
+             cal.seconds)
+    return cal
+
+
+# --------------------------------------------------------------------------- allocate
+
+
+def allocate(
+    errors: Sequence[Mapping[int, float]],
+    sizes: Sequence[int],
+    budget: float,
+    pinned: Mapping[int, int] | None = None,
+) -> list[int]:
+    """Choose one width per tensor: smallest summed error with the budget held.
+
+    Args:
+        errors: per tensor, ``{width: error}`` over its feasible widths.
+        sizes: per tensor, elements per token (the weight of its width in the average).
+        budget: the average code bits per element, over all tensors (pinned included).
+        pinned: ``{tensor index: width}`` fixed beforehand; their errors are not needed.
+
+    Returns:
+        The width of every tensor (pinned ones as given). Exact: dynamic programming over
+        the budget in units of the gcd of the free tensors' sizes; ties go to the narrower
+        width of the earlier tensor, so the result is deterministic.
+
+    Raises:
+        PolicyError: the budget cannot hold even the narrowest feasible widths.
+    """
+    pinned = dict(pinned or {})
+    if len(errors) != len(sizes):
+        raise ValueError(f"{len(errors)} error tables for {len(sizes)} sizes")
+    total = sum(sizes)
+    # 1e-9: a budget like 2.3 times the total size must not lose a unit to rounding.
+    capacity_bits = budget * total - sum(w * sizes[i] for i, w in pinned.items()) + 1e-9
+    free = [i for i in range(len(sizes)) if i not in pinned]
+    out = [pinned.get(i, 0) for i in range(len(sizes))]
+    if not free:
+        if capacity_bits < 0:
+            raise PolicyError(_over_budget(budget, pinned, sizes, total))
+        return out
+    for i in free:
+        if not errors[i]:
+            raise PolicyError(f"tensor {i} has no feasible width to allocate")
+    unit = math.gcd(*(sizes[i] for i in free))
+    capacity = math.floor(capacity_bits / unit)
+    need = sum(min(errors[i]) * sizes[i] // unit for i in free)
+    if capacity < need:
+        raise PolicyError(_over_budget(budget, pinned, sizes, total, need * unit))
+    inf = float("inf")
+    # best[c]: least error of the tensors so far using exactly c units; choice per tensor.
+    best = [inf] * (capacity + 1)
+    best[0] = 0.0
+    choices: list[list[int]] = []
+    for i in free:
+        u = sizes[i] // unit
+        nxt = [inf] * (capacity + 1)
+        pick = [0] * (capacity + 1)
+        options = sorted(errors[i].items())
+        for c in range(capacity + 1):
+            if best[c] == inf:
+                continue
+            for w, e in options:
+                c2 = c + w * u
+                if c2 > capacity:
+                    break
+                if best[c] + e < nxt[c2]:
+                    nxt[c2], pick[c2] = best[c] + e, w
+        best = nxt
+        choices.append(pick)
+    c = min(range(capacity + 1), key=lambda c: (best[c], c))
+    for k in range(len(free) - 1, -1, -1):
+        i = free[k]
+        w = choices[k][c]
+        out[i] = w
+        c -= w * (sizes[i] // unit)
+    return out
+
+
+def _over_budget(budget: float, pinned: Mapping[int, int], sizes: Sequence[int], total: int,
+                 need_free: int = 0) -> str:
+    pinned_bits = sum(w * sizes[i] for i, w in pinned.items())
+    least = (pinned_bits + need_free) / total
+    what = f" ({len(pinned)} pinned tensors take {pinned_bits / total:.2f} of it)" if pinned else ""
+    return (
+        f"a budget of {budget:g} bits per element cannot be met{what}: the narrowest widths "
+        f"need {least:.3f}; raise the budget to at least {least:.3f} or pin fewer tensors "
+        "to wide widths"
+    )
+
+
+def _fmt(e: float) -> str:
+    return f"{e:.1e}"
+
+
+def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float) -> ModelPolicy:
+    """``policy`` with every tensor not pinned by a rule at the width :func:`allocate`
+    gives it; reasons quote the measured errors, the result records budget and calibration.
+
+    Raises:
+        PolicyError: the calibration was measured with other settings, or the budget
+            cannot be met.
+    """
+    if calibration.settings != policy.calibration_key():
+        raise PolicyError(
+            f"the calibration (measured on {calibration.source}) was taken with other "
+            "settings than this policy's (axis, group size, pre-RoPE, residual or sinks of "
+            "some tensor, or another model); delete the 'calibration' block of the policy "
+            "file so that compile_model measures it again"
+        )
+    tensors = policy.tensors
+    errors, pinned = [], {}
+    for i, t in enumerate(tensors):
+        if t.bits_from == "rule":
+            pinned[i] = t.bits
+            errors.append({})
+        else:
+            errors.append(calibration.errors(t.layer, t.tensor))
+    sizes = [t.elements_per_token for t in tensors]
+    widths = allocate(errors, sizes, budget, pinned)
+    out = []
+    for i, (t, w) in enumerate(zip(tensors, widths, strict=True)):
+        if i in pinned:
+            reason = f"{t.reason}; pinned by the rule, counted against the budget {budget:g}"
+        else:
+            measured = " · ".join(f"{x} b {_fmt(e)}" for x, e in sorted(errors[i].items()))
+            reason = (
+                f"{t.reason}; budget {budget:g}: {w} bits, from the measured attention-output "
+                f"error of quantizing this tensor alone ({measured})"
+            )
+        data = t.model_dump()
+        data.update(bits=w, reason=reason, bits_from="rule" if i in pinned else "budget")
+        out.append(TensorPolicy.model_validate(data))
+    return policy.model_copy(update={
+        "tensors": tuple(out), "budget": budget, "calibration": calibration,
+    })
+
+
+def budget_policy(
+    model: nn.Module,
+    base: ModelPolicy,
+    spec: PolicySpec,
+    calibration: Calibration | torch.Tensor | Any = None,
+    progress: bool = True,
+) -> tuple[ModelPolicy, Calibration]:
+    """Allocate ``spec.budget`` over ``base`` (built from ``spec``): from ``calibration``
+    (a :class:`Calibration`, token ids or a tokenizer), else ``spec.calibration``, else a
+    fresh :func:`calibrate` on the default text."""
+    budget = spec.budget
+    if budget is None:
+        raise ValueError("budget_policy needs a spec whose defaults.bits is a budget")
+    if isinstance(calibration, Calibration):
+        cal = calibration
+    elif spec.calibration is not None and calibration is None:
+        cal = spec.calibration
+    elif calibration is None or isinstance(calibration, torch.Tensor):
+        cal = calibrate(model, base, calibration, progress=progress)
+    else:  # a tokenizer
+        cal = calibrate(model, base, tokenizer=calibration, progress=progress)
+    return apply_budget(base, cal, budget), cal
