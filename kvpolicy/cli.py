@@ -16,9 +16,31 @@ from .errors import KVPolicyError, ZooError
 
 __all__ = ["main", "build_parser", "load_model"]
 
+_TINY_PREFIX = "tiny-"
 # Same set as kvpolicy.policy.SUPPORTED_BITS, repeated so that parsing needs no pydantic.
 _BITS = (1, 2, 3, 4, 8, 16)
-_TINY_PREFIX = "tiny-"
+
+
+def _bits(text: str) -> int | float:
+    """``--bits``: an int is one width for every tensor, a float (``2.5``, ``3.0``) a budget
+    of average code bits per element, between 1 and 16."""
+    try:
+        bits: int | float = int(text)
+    except ValueError:
+        try:
+            bits = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a number of bits (e.g. 2, or 2.5 for a budget)"
+            ) from None
+    if isinstance(bits, int) and bits not in _BITS:
+        raise argparse.ArgumentTypeError(
+            f"{bits} is not a width; use one of {', '.join(map(str, _BITS))}, or a float such "
+            f"as {bits}.0 or 2.5 for a budget of average bits"
+        )
+    if isinstance(bits, float) and not 1 <= bits <= 16:
+        raise argparse.ArgumentTypeError(f"a budget of {bits} bits is outside [1, 16]")
+    return bits
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,10 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument(
         "--bits",
-        type=int,
+        type=_bits,
         default=2,
-        choices=_BITS,
-        help="code bits when no --policy is given: the kvpolicy-BITS defaults (default 2)",
+        help="code bits when no --policy is given: the kvpolicy-BITS defaults (default 2); "
+        "a float such as 2.5 is a budget, allocated per tensor from measured sensitivity",
     )
     inspect.add_argument(
         "--policy",
@@ -57,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="table",
         help="output format (default: table)",
     )
+    inspect.add_argument(
+        "--save",
+        metavar="FILE",
+        help="also write the policy file behind this policy (defaults, overrides and, for a "
+        "budget, the calibration) so that compiling from it skips calibrating",
+    )
     inspect.set_defaults(run=_cmd_inspect)
 
     ev = commands.add_parser(
@@ -67,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--model", default="smollm2-135m", metavar="NAME",
                     help='a zoo name or "tiny-<arch>" (default: smollm2-135m)')
-    ev.add_argument("--bits", type=int, default=2, choices=_BITS,
-                    help="code bits when no --policy is given (default 2)")
+    ev.add_argument("--bits", type=_bits, default=2,
+                    help="code bits when no --policy is given (default 2; a float is a budget)")
     ev.add_argument("--policy", metavar="FILE_OR_PRESET", help="a YAML file or preset name")
     ev.add_argument("--segments", type=int, default=4, help="pydoc segments (default 4)")
     ev.add_argument("--context", type=int, default=768, help="prefill tokens (default 768)")
@@ -105,6 +133,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     api = importlib.import_module("kvpolicy.api")
     model = load_model(args.model)
     policy = api.derive_policy(model, bits=args.bits, policy=args.policy)
+    if args.save:
+        path = api.save_policy(model, args.save)
+        print(f"policy file written to {path}", file=sys.stderr)
     if args.format == "yaml":
         text = policy.to_yaml()
     elif args.format == "json":

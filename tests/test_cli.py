@@ -114,7 +114,9 @@ def test_unknown_tiny_architecture_exits_2(fake, capsys):
     "argv, fragment",
     [
         (["inspect"], "--model"),
-        (["inspect", "--model", "m", "--bits", "5"], "invalid choice: 5"),
+        (["inspect", "--model", "m", "--bits", "5"], "5 is not a width; use one of 1, 2"),
+        (["inspect", "--model", "m", "--bits", "0.5"], "a budget of 0.5 bits is outside"),
+        (["inspect", "--model", "m", "--bits", "two"], "'two' is not a number of bits"),
         (["inspect", "--model", "m", "--format", "xml"], "invalid choice: 'xml'"),
         ([], "COMMAND"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
