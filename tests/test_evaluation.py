@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 import kvpolicy
@@ -36,9 +37,15 @@ def test_batched_equals_one_segment_at_a_time_through_a_compiled_cache():
     assert math.isclose(a.perplexity, b.perplexity, rel_tol=1e-4)
 
 
-def test_quick_eval_writes_a_report_with_every_ablation(tmp_path):
+def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
     import json
 
+    from kvpolicy import budget
+
+    calibrations = []
+    calibrate = budget.calibrate
+    monkeypatch.setattr(budget, "calibrate",
+                        lambda *a, **kw: calibrations.append(1) or calibrate(*a, **kw))
     report = kvpolicy.evaluate(quick=True, peers=False, progress=False, out=tmp_path)
     names = [r.name for r in report.runs]
     assert names[:2] == ["full precision (DynamicCache)", "derived policy"]
@@ -58,7 +65,8 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path):
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["runs"][1]["name"] == "derived policy"
     assert "| derived policy |" in (tmp_path / "report.md").read_text()
-    for png in ("perplexity_vs_bits", "key_channel_magnitude", "error_by_axis_and_metric"):
+    for png in ("perplexity_vs_bits", "key_channel_magnitude", "error_by_axis_and_metric",
+                "frontier"):
         assert (tmp_path / f"{png}.png").stat().st_size > 0
     # Where consumed: measured for the derived axes and their flips, ranked vs perplexity.
     assert "K-channel-pre/V-token" in report.consumed["policies"]
@@ -67,3 +75,75 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path):
     rows = report.consumed["per_layer"]["K-channel-pre/V-token"]
     assert [(r["layer"], r["tensor"]) for r in rows][:2] == [(0, "key"), (0, "value")]
     assert "## Where the tensors are consumed" in (tmp_path / "report.md").read_text()
+    # Frontier: budget runs allocated from one calibration, within their budgets.
+    assert len(calibrations) == 1
+    assert report.frontier["calibration"]["tokens"] == 512
+    assert report.frontier["calibration"]["seconds"] > 0
+    budgets = [r for r in report.runs if r.group == "budget"]
+    assert [r.name for r in budgets] == ["budget 2.25", "budget 2.5", "budget 3"]
+    elems = report.run("2 bits").fp16_bytes_per_token // 2  # 2 layers x 2 heads x (32 + 32)
+    assert elems == 256
+    for r, b in zip(budgets, kvpolicy.evaluation.FRONTIER_BUDGETS, strict=True):
+        assert r.settings["budget"] == b  # allocated, 3.0 included, not uniform widths
+        widths = r.settings["key_bits"] + r.settings["value_bits"]
+        assert len(widths) == 4 and set(widths) <= {1, 2, 3, 4, 8}
+        assert r.avg_bits == sum(widths) / 4 <= b
+        # codes + an fp16 scale and zero per group of 16, per the widths allocated, and the
+        # same figure measured on the cache the run held
+        assert r.bytes_per_token == sum(elems / 4 * (w / 8 + 4 / 16) for w in widths)
+        assert r.measured_bytes_per_token == pytest.approx(r.bytes_per_token, rel=1e-9)
+        assert r.fp16_bytes_per_token == 2 * elems
+    for b in (2, 3, 4):  # the uniform points are the bits ablations, steady state
+        assert report.run(f"{b} bits").bytes_per_token == elems * (b / 8 + 4 / 16)
+    assert set(report.frontier["dominated_by"]) == {r.name for r in budgets}
+    budget_json = [r for r in data["runs"] if r["group"] == "budget"]
+    assert budget_json[1]["settings"]["value_bits"] == budgets[1].settings["value_bits"]
+    assert budget_json[1]["bytes_per_token"] == budgets[1].bytes_per_token
+    md = (tmp_path / "report.md").read_text()
+    assert "## Frontier: perplexity vs compression" in md
+    mid = budgets[1]
+    assert f"| budget 2.5 | {mid.avg_bits:.3f} | {mid.bytes_per_token:.1f} |" in md
+    assert "### Widths allocated by budget 2.5" in md
+    assert md.count("not dominated") + md.count("dominated by") == 3
+
+
+def _point(name, group, bytes_per_token, perplexity):
+    from kvpolicy.evaluation import RunResult
+
+    return RunResult(name, group, perplexity, perplexity / 10, None, None, None, 1.0,
+                     bytes_per_token=bytes_per_token, fp16_bytes_per_token=512)
+
+
+def test_frontier_dominance_needs_both_fewer_bytes_and_lower_perplexity():
+    from kvpolicy.evaluation import frontier_dominance
+
+    runs = [
+        _point("2 bits", "bits", 128.0, 12.0),
+        _point("3 bits", "bits", 160.0, 11.0),
+        _point("4 bits", "bits", 192.0, 10.0),
+        _point("budget 2.5", "budget", 144.0, 11.5),  # 2 bits smaller but worse: not dominated
+        _point("budget 3", "budget", 160.0, 11.2),  # 3 bits: same bytes, lower perplexity
+        _point("budget 2.25", "budget", 136.0, 12.5),  # 2 bits: smaller and better
+        _point("quanto", "peer", 100.0, 9.0),  # peers never dominate
+    ]
+    assert frontier_dominance(runs) == {
+        "budget 2.5": [], "budget 3": ["3 bits"], "budget 2.25": ["2 bits"],
+    }
+
+
+@pytest.mark.parametrize("axes", [(0, 0), (-1, -1)])
+def test_quanto_steady_state_bytes_match_what_its_cache_holds(axes):
+    from kvpolicy import evaluation, peers
+
+    model = tiny_model("llama")  # fp32: quanto keeps its scales and shifts in fp32
+    per_token = evaluation._elements_per_token(model)
+    res = decode_perplexity(
+        model, _segments(2, 45), 40, 5, progress=False, batched=True,
+        make_cache=lambda: peers.peer_cache(model, "quanto", bits=2, group_size=16,
+                                            residual=8, axis_key=axes[0], axis_value=axes[1]),
+    )
+    held = peers.cache_bytes(res.cache)
+    assert held.packed > 0 and held.residual > 0  # quantized tokens and a window
+    steady = evaluation._quanto_bytes_per_token(per_token, 2, 16, model)
+    assert steady == per_token * (2 / 8 + 2 * 4 / 16)
+    assert evaluation._quanto_measured_bytes_per_token(held, per_token, model) == steady
