@@ -377,7 +377,8 @@ def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float) -
         else:
             measured = " · ".join(f"{x} b {_fmt(e)}" for x, e in sorted(errors[i].items()))
             reason = (
-                f"{t.reason}; budget {budget:g}: {w} bits, from the measured attention-output "
+                f"{t.reason}; budget {budget:g}: {w} bit{'s' if w > 1 else ''}, from the "
+                "measured attention-output "
                 f"error of quantizing this tensor alone ({measured})"
             )
         data = t.model_dump()

@@ -124,7 +124,7 @@ def cache_keyword(model: torch.nn.Module) -> str:
 @dataclass
 class RunResult:
     name: str
-    group: str  # headline | axes | rope | residual | sinks | bits | budget | peer
+    group: str  # headline | axes | rope | residual | sinks | bits | split | budget | peer
     perplexity: float
     ratio: float  # perplexity / full-precision perplexity
     cache_bytes: int | None  # held at the end of the eval, windows included
@@ -275,7 +275,7 @@ class EvalReport:
         return lines
 
 
-def ablations(bits: int) -> list[tuple[str, str, dict[str, Any]]]:
+def ablations(bits: int | float) -> list[tuple[str, str, dict[str, Any]]]:
     """(name, group, overrides on top of the user's spec) of every ablation run."""
     key, value = {"layers": "*", "tensor": "key"}, {"layers": "*", "tensor": "value"}
     return [
@@ -290,13 +290,20 @@ def ablations(bits: int) -> list[tuple[str, str, dict[str, Any]]]:
         ("sinks 0", "sinks", {"defaults": {"sinks": 0}}),
         ("sinks 4", "sinks", {"defaults": {"sinks": 4}}),
         *[(f"{b} bits", "bits", {"defaults": {"bits": b}}) for b in (2, 3, 4)],
+        # The same 2.5 bits split by hand, each way, against the budget's own allocation.
+        *([
+            ("keys 3 / values 2", "split",
+             {"overrides": [{**key, "bits": 3}, {**value, "bits": 2}]}),
+            ("keys 2 / values 3", "split",
+             {"overrides": [{**key, "bits": 2}, {**value, "bits": 3}]}),
+        ] if isinstance(bits, int) else []),
     ]
 
 
 def frontier_points(runs: list[RunResult]) -> list[RunResult]:
     """The frontier's runs: uniform widths ("bits" group), budgets and the peer, each with a
     steady-state bytes-per-token figure."""
-    return [r for g in ("bits", "budget", "peer") for r in runs
+    return [r for g in ("bits", "budget", "split", "peer") for r in runs
             if r.group == g and r.bytes_per_token]
 
 
@@ -723,6 +730,7 @@ def _frontier_plot(report: EvalReport, out: Path, plt) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     placed: dict[float, int] = {}  # labels already at a compression: stack the next below
     for group, label, style in (("bits", "uniform width", "o-"), ("budget", "bit budget", "^-"),
+                                ("split", "keys/values split by hand", "D"),
                                 ("peer", "quanto (peer)", "s")):
         pts = sorted((r for r in points if r.group == group), key=lambda r: r.steady_compression)
         if not pts:

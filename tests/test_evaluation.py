@@ -52,7 +52,10 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
     # the fp32 model's DynamicCache holds twice the fp16 bytes
     assert report.runs[0].cache_bytes == 2 * report.runs[0].fp16_bytes
     groups = {r.group for r in report.runs}
-    assert {"axes", "rope", "residual", "sinks", "bits"} <= groups
+    assert {"axes", "rope", "residual", "sinks", "bits", "split"} <= groups
+    split = {r.name: r for r in report.runs if r.group == "split"}
+    assert sorted(split) == ["keys 2 / values 3", "keys 3 / values 2"]
+    assert all(r.avg_bits == 2.5 for r in split.values())  # both halves of 2.5 bits
     assert len([r for r in report.runs if r.group == "axes"]) == 3
     # The quick policy packs groups: 2-bit runs really are quantized, and the byte counts
     # move the way the settings say (a random tiny model says nothing about quality).
