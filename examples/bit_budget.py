@@ -36,5 +36,7 @@ print(f"recompiled from {path} in {time.perf_counter() - t0:.1f} s")
 assert [t.bits for t in kvpolicy.inspect(again).tensors] == [t.bits for t in policy.tensors]
 
 segs = data.segments(tokenizer, 512 + 64, 1)
+fp = evaluation.decode_perplexity(zoo.load("smollm2-135m")[0], segs, 512, 64, desc="fp")
 result = evaluation.decode_perplexity(again, segs, 512, 64, desc="budget 2.5")
-print(f"decode-time perplexity at 2.5 bits: {result.perplexity:.3f}")
+print(f"decode-time perplexity: full precision {fp.perplexity:.3f}, 2.5-bit budget "
+      f"{result.perplexity:.3f} ({result.perplexity / fp.perplexity:.3f}x)")
