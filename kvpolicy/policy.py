@@ -823,7 +823,9 @@ class PolicySpec(_Frozen):
             ]
         if self.calibration is not None:
             doc["calibration"] = self.calibration.model_dump(mode="json")
-        return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=1 << 16)
+        # Flow style for lists of scalars: one line per tensor of the calibration table.
+        return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=1 << 16,
+                              default_flow_style=None)
 
 
 # --------------------------------------------------------------------------- loading
