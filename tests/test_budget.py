@@ -151,6 +151,43 @@ def test_packed_counts_follow_the_cache(sinks, residual, chunk):
         assert layer.n_packed == int(counts[i]), i
 
 
+@pytest.mark.parametrize("tensor", ["key", "value"])
+def test_calibration_error_is_what_the_decode_cache_gives(tensor):
+    """The calibration's emulation (which tokens a query reads quantized, pre-RoPE keys
+    rotated after dequantization) against the real cache, decoding one token at a time."""
+    from kvpolicy.consumed import capture_activations
+
+    model = tiny_model("llama")
+    base = kvpolicy.derive_policy(model, policy=small_spec(2))
+    act = capture_activations(model, calibration_ids())[1]
+    kp, vp = base.get(1, "key"), base.get(1, "value")
+    key_errs, value_errs = budget._layer_errors(act, kp, vp, (2,), torch.float32)
+    expected = key_errs[0] if tensor == "key" else value_errs[0]
+
+    rope, positions = act.rotary()
+    # The other tensor exact (values) or nearly (keys at 8 bits: a full-precision key would
+    # pack values token by token, while the policy's quantized keys pack chunks of 16).
+    bits = {"key": 2, "value": 8}[tensor], {"key": 16, "value": 2}[tensor]
+    layer = PackedKVLayer(QuantSpec(bits[0], 16, "channel"), QuantSpec(bits[1], 16, "token"),
+                          residual=16, sinks=2, rope=rope)
+    t = act.query.shape[2]
+    outs = []
+    for i in range(t):
+        layer.append(act.key_pre[:, :, i : i + 1], act.value[:, :, i : i + 1],
+                     positions[:, i : i + 1])
+        outs.append(layer.attend(act.query[:, :, i : i + 1], scale=act.scale))
+    got = torch.cat(outs, dim=2)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    hq = act.query.shape[1]
+    scores = act.query @ budget._expand(act.key, hq).transpose(-1, -2) * act.scale
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    exact = probs @ budget._expand(act.value, hq)
+    rows = budget._packed_counts(t, 2, 16, 16) > 0
+    measured = budget._rel(got, exact, rows)
+    assert expected > 1e-3  # a real quantization error, far above fp32 rounding
+    assert measured == pytest.approx(expected, rel=2e-3)
+
+
 @pytest.fixture(scope="module")
 def tiny_calibrated():
     model = tiny_model("llama")
