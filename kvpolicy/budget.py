@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import consumed
 from .errors import KVPolicyError, PolicyError
 from .kernels import reference
 from .kernels.layout import QuantSpec
@@ -63,7 +64,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CALIBRATION_TOKENS = 512
-_EPS = 1e-30
 
 
 # --------------------------------------------------------------------------- input
@@ -119,12 +119,7 @@ def _packed_counts(t: int, sinks: int, residual: int, chunk: int) -> torch.Tenso
 
 def _rel(approx: torch.Tensor, exact: torch.Tensor, rows: torch.Tensor) -> float:
     """``‖approx − exact‖ / ‖exact‖`` over the query rows ``rows``."""
-    d = (approx - exact)[..., rows, :]
-    return float(d.norm() / exact[..., rows, :].norm().clamp_min(_EPS))
-
-
-def _expand(x: torch.Tensor, hq: int) -> torch.Tensor:
-    return x.repeat_interleave(hq // x.shape[1], dim=1)
+    return consumed._rel(approx[..., rows, :], exact[..., rows, :])
 
 
 def _fits(t: TensorPolicy, width: int) -> bool:
@@ -153,9 +148,10 @@ def _layer_errors(act, kp: TensorPolicy, vp: TensorPolicy, widths: Sequence[int]
     causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     seg = slice(sinks, sinks + n_packed)
 
-    scores = torch.matmul(q, _expand(k, hq).transpose(-1, -2)) * act.scale
+    scores = consumed._scores(q, k, act.scale)
     probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-    out = torch.matmul(probs, _expand(v, hq))
+    v_heads = consumed._expand(v, hq)  # values per query head, read by every key width
+    out = torch.matmul(probs, v_heads)
     pre_rope = kp.pre_rope and act.cos is not None
     if pre_rope:
         rope, positions = act.rotary(t)
@@ -166,27 +162,24 @@ def _layer_errors(act, kp: TensorPolicy, vp: TensorPolicy, widths: Sequence[int]
             key_errs.append(None)
         else:
             stored = act.key_pre if pre_rope else k
-            packed = reference.quantize(stored[:, :, seg].contiguous(),
+            k_seg = consumed._roundtrip(stored[:, :, seg].contiguous(),
                                         QuantSpec(w, kp.group_size, kp.axis.value), store)
-            k_seg = reference.dequantize(packed, QuantSpec(w, kp.group_size, kp.axis.value))
             if pre_rope:
                 k_seg = reference.apply_rope(k_seg, positions[:, seg], rope)
             k_hat = k.clone()
             k_hat[:, :, seg] = k_seg
-            s_hat = torch.matmul(q, _expand(k_hat, hq).transpose(-1, -2)) * act.scale
+            s_hat = consumed._scores(q, k_hat, act.scale)
             s_mix = torch.where(quantized, s_hat, scores).masked_fill(~causal, float("-inf"))
-            out_k = torch.matmul(torch.softmax(s_mix, dim=-1), _expand(v, hq))
+            out_k = torch.matmul(torch.softmax(s_mix, dim=-1), v_heads)
             key_errs.append(_rel(out_k, out, rows))
         if not _fits(vp, w):
             value_errs.append(None)
         else:
-            spec = QuantSpec(w, vp.group_size, vp.axis.value)
-            v_seg = reference.dequantize(
-                reference.quantize(v[:, :, seg].contiguous(), spec, store), spec
-            )
+            v_seg = consumed._roundtrip(v[:, :, seg].contiguous(),
+                                        QuantSpec(w, vp.group_size, vp.axis.value), store)
             dv = torch.zeros_like(v)
             dv[:, :, seg] = v_seg - v[:, :, seg]
-            out_v = out + torch.matmul(probs * quantized, _expand(dv, hq))
+            out_v = out + torch.matmul(probs * quantized, consumed._expand(dv, hq))
             value_errs.append(_rel(out_v, out, rows))
     return key_errs, value_errs
 
@@ -215,8 +208,6 @@ def calibrate(
     """
     from tqdm.auto import tqdm
 
-    from .consumed import capture_activations
-
     start = time.perf_counter()
     if input_ids is None:
         input_ids, source = calibration_ids(model, tokenizer=tokenizer)
@@ -237,7 +228,7 @@ def calibrate(
     # The dtype scales and zeros are stored in (model_cache.storage_dtype): fp16 for fp32
     # models, the model's own otherwise.
     store = torch.float16 if dtype == torch.float32 else dtype
-    acts = capture_activations(model, input_ids.to(device))
+    acts = consumed.capture_activations(model, input_ids.to(device))
     layers = []
     for act in tqdm(acts, desc="calibrating", unit="layer", disable=not progress):
         ke, ve = _layer_errors(act, policy.get(act.layer, "key"),

@@ -340,8 +340,9 @@ def _rel(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return float((approx - exact).norm() / exact.norm().clamp_min(_EPS))
 
 
-def _roundtrip(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    return reference.dequantize(reference.quantize(x, spec), spec, torch.float32)
+def _roundtrip(x: torch.Tensor, spec: QuantSpec, store: torch.dtype | None = None) -> torch.Tensor:
+    """Quantize and dequantize (fp32); ``store``: the dtype scales and zeros are kept in."""
+    return reference.dequantize(reference.quantize(x, spec, store), spec, torch.float32)
 
 
 def _expand(x: torch.Tensor, hq: int) -> torch.Tensor:

@@ -155,6 +155,7 @@ def test_packed_counts_follow_the_cache(sinks, residual, chunk):
 def test_calibration_error_is_what_the_decode_cache_gives(tensor):
     """The calibration's emulation (which tokens a query reads quantized, pre-RoPE keys
     rotated after dequantization) against the real cache, decoding one token at a time."""
+    from kvpolicy import consumed
     from kvpolicy.consumed import capture_activations
 
     model = tiny_model("llama")
@@ -179,9 +180,9 @@ def test_calibration_error_is_what_the_decode_cache_gives(tensor):
     got = torch.cat(outs, dim=2)
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     hq = act.query.shape[1]
-    scores = act.query @ budget._expand(act.key, hq).transpose(-1, -2) * act.scale
+    scores = act.query @ consumed._expand(act.key, hq).transpose(-1, -2) * act.scale
     probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-    exact = probs @ budget._expand(act.value, hq)
+    exact = probs @ consumed._expand(act.value, hq)
     rows = budget._packed_counts(t, 2, 16, 16) > 0
     measured = budget._rel(got, exact, rows)
     assert expected > 1e-3  # a real quantization error, far above fp32 rounding
