@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .policy import BUDGET_WIDTHS, load_spec
+from .policy import BUDGET_WIDTHS, load_spec, packed_bytes_per_element
 
 __all__ = [
     "DecodeResult", "decode_perplexity", "cache_keyword", "RunResult", "EvalReport",
@@ -605,7 +605,7 @@ def _quanto_bytes_per_token(per_token: int | None, bits: int, group_size: int,
     if per_token is None:
         return None
     itemsize = next(model.parameters()).dtype.itemsize
-    return per_token * (bits / 8 + 2 * itemsize / group_size)
+    return per_token * packed_bytes_per_element(bits, group_size, itemsize)
 
 
 def _quanto_measured_bytes_per_token(held, per_token: int | None,

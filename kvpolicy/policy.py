@@ -293,6 +293,12 @@ class Calibration(_Frozen):
 # --------------------------------------------------------------------------- result
 
 
+def packed_bytes_per_element(bits: int, group_size: int, scale_bytes: int) -> float:
+    """Bytes one quantized element takes: its code plus its share of one scale and one
+    zero (``scale_bytes`` each) per group of ``group_size``."""
+    return bits / 8 + 2 * scale_bytes / group_size
+
+
 class TensorPolicy(_Frozen):
     """How one cached tensor (key or value) of one attention layer is quantized."""
 
@@ -367,7 +373,9 @@ class TensorPolicy(_Frozen):
         The full-precision sink and residual windows are not counted."""
         if self.full_precision:
             return 2.0 * self.elements_per_token
-        return self.elements_per_token * (self.bits / 8 + 2 * scale_bytes / self.group_size)
+        return self.elements_per_token * packed_bytes_per_element(
+            self.bits, self.group_size, scale_bytes
+        )
 
 
 class ModelPolicy(_Frozen):
