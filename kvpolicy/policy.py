@@ -134,11 +134,13 @@ def _invalid(field: str, message: str, *involved: str) -> PydanticCustomError:
     )
 
 
-def _check_bits(bits: int) -> None:
+def _check_bits(bits: int, hint: str = "") -> None:
+    """``bits`` is a supported width; ``hint`` ends the message (e.g. what a budget is)."""
     if bits not in SUPPORTED_BITS:
         supported = ", ".join(map(str, SUPPORTED_BITS))
         raise _invalid(
-            "bits", f"{bits} bits is not supported; use one of {supported} (16 = full precision)"
+            "bits",
+            f"{bits} bits is not supported; use one of {supported} (16 = full precision){hint}",
         )
 
 
@@ -156,14 +158,11 @@ def _check_bits_or_budget(bits: int | float) -> int | float:
                 "precision; give an average between them, e.g. 2.5",
             )
         return bits
-    if bits not in SUPPORTED_BITS:
-        supported = ", ".join(map(str, SUPPORTED_BITS))
-        raise _invalid(
-            "bits",
-            f"{bits} bits is not supported; use one of {supported} (16 = full precision), or a "
-            f"float such as 2.5 or {float(bits)} for a budget: that average of code bits per "
-            "element, spread over the tensors by measured sensitivity",
-        )
+    _check_bits(
+        bits,
+        f", or a float such as 2.5 or {float(bits)} for a budget: that average of code bits "
+        "per element, spread over the tensors by measured sensitivity",
+    )
     return bits
 
 
