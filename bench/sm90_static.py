@@ -26,23 +26,15 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
 
 from kvpolicy.kernels import triton_attention as ta  # noqa: E402
+from kvpolicy.kernels._triton_util import compile_ahead  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 G, BITS, T, SPLIT = 32, 2, 32768, 4096
 # (name, query heads, kv heads, head_dim)
 SHAPES = (("SmolLM2-135M", 9, 3, 64), ("Llama-3-8B", 32, 8, 128))
-
-
-def _jit_fn():
-    fn = ta._packed_attention_kernel
-    while not isinstance(fn, JITFunction):
-        fn = fn.fn
-    return fn
 
 
 def _args(hq: int, hkv: int, d: int) -> tuple[dict, dict, dict]:
@@ -74,29 +66,10 @@ def _args(hq: int, hkv: int, d: int) -> tuple[dict, dict, dict]:
 
 
 def _compile(ints: dict, ptrs: dict, consts: dict, config) -> object:
-    """Compile with the runtime's specialisation: ints equal to 1 become constants,
-    multiples of 16 and all pointers carry divisibility 16."""
-    fn = _jit_fn()
-    consts = {**consts, **config.kwargs}
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in ptrs:
-            sig[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "scale":
-            sig[name] = "fp32"
-        elif ints[name] == 1:
-            sig[name] = "constexpr"
-            consts[name] = 1
-        else:
-            sig[name] = "i32"
-            if ints[name] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, sig, consts, attrs)
-    opts = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    return triton.compile(src, target=TARGET, options=opts)
+    """Compile with the runtime's specialisation for one autotune config."""
+    return compile_ahead(ta._packed_attention_kernel, ints, ptrs, {**consts, **config.kwargs},
+                         floats=("scale",), target=TARGET, num_warps=config.num_warps,
+                         num_stages=config.num_stages)
 
 
 def _sass_report(kernel, block_n: int, num_warps: int) -> tuple[int, int, int | None]:

@@ -14,39 +14,18 @@ import sys
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
 
 from kvpolicy.kernels import triton_attention as ta
 from kvpolicy.kernels import triton_quant as tq
+from kvpolicy.kernels._triton_util import compile_ahead
 
 TARGET = GPUTarget("cuda", 90, 32)
 
 
 def _compile(kernel, ints: dict, ptrs: dict, consts: dict, floats=(), warps=4, stages=2):
     """Compile ``kernel`` with the specialisation the runtime would pick for ``ints``."""
-    fn = kernel
-    while not isinstance(fn, JITFunction):
-        fn = fn.fn
-    consts = dict(consts)
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in ptrs:
-            sig[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in floats:
-            sig[name] = "fp32"
-        elif ints[name] == 1:
-            sig[name] = "constexpr"
-            consts[name] = 1
-        else:
-            sig[name] = "i32"
-            if ints[name] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, sig, consts, attrs)
-    return triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
+    return compile_ahead(kernel, ints, ptrs, consts, floats=tuple(floats), target=TARGET,
+                         num_warps=warps, num_stages=stages)
 
 
 def attention(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, mask=False, block_n=64):
