@@ -85,6 +85,9 @@ class LayerActivations:
     rotary_dim: int | None = None
     cos: torch.Tensor | None = None  # [B, T, rotary_dim], the model's layout
     sin: torch.Tensor | None = None  # [B, T, rotary_dim]
+    # [B, Hq, T, Dv]: d(summed next-token loss)/d(attention output), when captured with
+    # ``loss_grad=True``
+    out_grad: torch.Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     def rotary(self, tokens: int | None = None) -> tuple[RotarySpec, torch.Tensor]:
@@ -170,9 +173,10 @@ class _SDPAWatch(TorchFunctionMode):
     """Records the arguments of every ``scaled_dot_product_attention`` run inside a
     watched module (``active`` holds the layer index of the one running)."""
 
-    def __init__(self, active: list[int], seen: dict[int, tuple[tuple, dict]]) -> None:
+    def __init__(self, active: list[int], seen: dict[int, tuple[tuple, dict]],
+                 probes: dict[int, torch.Tensor] | None = None) -> None:
         super().__init__()
-        self.active, self.seen = active, seen
+        self.active, self.seen, self.probes = active, seen, probes
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -184,6 +188,14 @@ class _SDPAWatch(TorchFunctionMode):
                     "forward; capture_activations expects one consumer call per layer"
                 )
             self.seen[layer] = (args, dict(kwargs))
+            out = func(*args, **kwargs)
+            if self.probes is None:
+                return out
+            # A zero leaf added to the output: its gradient is the loss's gradient with
+            # respect to this output, along every path downstream (later layers included).
+            probe = torch.zeros_like(out, requires_grad=True)
+            self.probes[layer] = probe
+            return out + probe
         return func(*args, **kwargs)
 
 
@@ -193,21 +205,42 @@ def _sdpa_arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) ->
     return kwargs.get(name, default)
 
 
-@torch.no_grad()
-def capture_activations(model: nn.Module, input_ids: torch.Tensor) -> list[LayerActivations]:
+def _logits(out: Any) -> torch.Tensor:
+    """The ``[B, T, vocab]`` logits of a model's forward output (HF output or a tensor)."""
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        logits = out if isinstance(out, torch.Tensor) else (
+            out[0] if isinstance(out, (tuple, list)) and out else None)
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        raise KVPolicyError(
+            f"the model's forward returned {type(out).__name__}, not [B, T, vocab] logits; "
+            "the loss-weighted calibration needs a causal LM's logits (an output with "
+            "`.logits`, a tensor, or a tuple starting with one)"
+        )
+    return logits
+
+
+def capture_activations(
+    model: nn.Module, input_ids: torch.Tensor, *, loss_grad: bool = False
+) -> list[LayerActivations]:
     """Run one forward of ``model`` on ``input_ids`` and capture every layer's q, k, v.
 
     Args:
         model: an uncompiled causal LM whose attention calls
             ``scaled_dot_product_attention`` (see the module docstring for what is relied on).
         input_ids: ``[B, T]`` token ids.
+        loss_grad: also run one backward of the summed next-token cross-entropy of
+            ``input_ids`` and keep, per layer, its gradient with respect to the attention
+            output (``LayerActivations.out_grad``). Parameter gradients are neither
+            computed nor touched.
 
     Returns:
         One :class:`LayerActivations` per attention layer, in layer order; tensors fp32 on
         the model's device.
 
     Raises:
-        KVPolicyError: the model is compiled by kvpolicy, or ``input_ids`` is not 2-D.
+        KVPolicyError: the model is compiled by kvpolicy, ``input_ids`` is not 2-D, or
+            (``loss_grad``) the forward does not return logits.
         AnalysisError: a layer's attention did not run SDPA, or RoPE tables could not be
             found or do not invert.
     """
@@ -234,11 +267,34 @@ def capture_activations(model: nn.Module, input_ids: torch.Tensor) -> list[Layer
 
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(post, with_kwargs=True))
+    probes: dict[int, torch.Tensor] | None = {} if loss_grad else None
+    grads: dict[int, torch.Tensor] = {}
     was_training = model.training
     model.eval()
     try:
-        with _SDPAWatch(active, seen):
-            model(input_ids)
+        with torch.inference_mode(False), torch.set_grad_enabled(loss_grad), \
+                _SDPAWatch(active, seen, probes):
+            if loss_grad:  # a tensor made in inference mode cannot be saved for backward
+                input_ids = input_ids.clone()
+            out = model(input_ids)
+            if probes:
+                logits = _logits(out)[:, :-1].float()
+                if logits.shape[:2] != input_ids[:, 1:].shape or \
+                        logits.shape[-1] <= int(input_ids.max()):
+                    raise KVPolicyError(
+                        f"the model's output of shape {tuple(logits.shape[:2]) + (-1,)} is "
+                        f"not next-token logits over a vocabulary that holds every "
+                        f"calibration id (largest {int(input_ids.max())}); the "
+                        "loss-weighted calibration needs a causal LM's [B, T, vocab] logits"
+                    )
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                       input_ids[:, 1:].reshape(-1), reduction="sum")
+                layers = sorted(probes)
+                found = torch.autograd.grad(loss, [probes[i] for i in layers],
+                                            allow_unused=True)
+                grads = {i: torch.zeros_like(probes[i]) if g is None else g
+                         for i, g in zip(layers, found, strict=True)}
+            del out
     finally:
         for h in handles:
             h.remove()
@@ -253,6 +309,8 @@ def capture_activations(model: nn.Module, input_ids: torch.Tensor) -> list[Layer
                 "model with attn_implementation='sdpa' to capture its activations"
             )
         args, kwargs = seen[i]
+        if i in grads:
+            grads[i] = grads[i].detach().float()
         q = _sdpa_arg(args, kwargs, 0, "query", None).detach().to(torch.float32, copy=True)
         k = _sdpa_arg(args, kwargs, 1, "key", None).detach().to(torch.float32, copy=True)
         v = _sdpa_arg(args, kwargs, 2, "value", None).detach().to(torch.float32, copy=True)
@@ -266,7 +324,8 @@ def capture_activations(model: nn.Module, input_ids: torch.Tensor) -> list[Layer
         hkv = facts.key.num_kv_heads
         k = _fold_heads(k, hkv, f"layer {i} key")
         v = _fold_heads(v, facts.value.num_kv_heads, f"layer {i} value")
-        act = LayerActivations(layer=i, query=q, key_pre=k, key=k, value=v, scale=scale)
+        act = LayerActivations(layer=i, query=q, key_pre=k, key=k, value=v, scale=scale,
+                               out_grad=grads.get(i))
         act.meta["is_causal"] = bool(_sdpa_arg(args, kwargs, 5, "is_causal", False))
         act.meta["has_mask"] = _sdpa_arg(args, kwargs, 3, "attn_mask", None) is not None
         rope = facts.key.rope

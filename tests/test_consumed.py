@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from kvpolicy import analyse_model, compile_model, derive_policy
 from kvpolicy.consumed import (
@@ -129,6 +132,84 @@ def test_fold_heads_undoes_repeat_kv() -> None:
     assert torch.equal(_fold_heads(repeated, 2, "key"), kv)
     with pytest.raises(AnalysisError, match="not 2 kv heads each repeated"):
         _fold_heads(torch.randn(1, 6, 5, 4), 2, "key")
+
+
+class _Nudge(TorchFunctionMode):
+    """Adds ``delta`` to the output of the ``layer``-th SDPA call of a forward."""
+
+    def __init__(self, layer: int, delta: torch.Tensor) -> None:
+        super().__init__()
+        self.layer, self.delta, self.calls = layer, delta, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is F.scaled_dot_product_attention:
+            self.calls += 1
+            if self.calls - 1 == self.layer:
+                out = out + self.delta
+        return out
+
+
+def _summed_loss(model, ids: torch.Tensor) -> float:
+    logits = model(ids).logits[:, :-1]
+    return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                 reduction="sum"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_loss_grad_is_the_gradient_of_the_next_token_loss(arch: str) -> None:
+    """``out_grad`` against a central difference of the summed next-token loss along a
+    random direction of one layer's attention output (a float64 model; its RoPE tables stay
+    float32, which limits how small a step stays exact); every path downstream, later
+    layers included, is in it."""
+    model = tiny_model(arch).double()
+    ids = _ids(2, 24)
+    acts = capture_activations(model, ids, loss_grad=True)
+    assert all(p.grad is None and p.requires_grad for p in model.parameters())
+    gen = torch.Generator().manual_seed(5)
+    for act in acts:
+        g = act.out_grad
+        assert g is not None and g.dtype == torch.float32 and g.shape == act.query.shape
+        direction = torch.randn(g.shape, generator=gen, dtype=torch.float64)
+        eps = 1e-3
+        with torch.no_grad(), _Nudge(act.layer, eps * direction):
+            up = _summed_loss(model, ids)
+        with torch.no_grad(), _Nudge(act.layer, -eps * direction):
+            down = _summed_loss(model, ids)
+        assert (up - down) / (2 * eps) == pytest.approx(float((g.double() * direction).sum()),
+                                                        rel=2e-4)
+    # Layer 0's output reaches the loss through layer 1 too: its gradient is not the one
+    # of the last layer.
+    assert not torch.allclose(acts[0].out_grad, acts[1].out_grad)
+    assert capture_activations(model, ids)[0].out_grad is None
+
+
+def test_loss_grad_runs_inside_inference_mode() -> None:
+    model = tiny_model("llama")
+    with torch.inference_mode():
+        acts = capture_activations(model, _ids(), loss_grad=True)
+    assert all(a.out_grad is not None and a.out_grad.abs().sum() > 0 for a in acts)
+
+
+class _NotLogits(nn.Module):
+    """A causal LM wrapped to return ``what`` of its last hidden state instead of logits."""
+
+    def __init__(self, model: nn.Module, what: str) -> None:
+        super().__init__()
+        self.m, self.what, self.config = model, what, model.config
+
+    def forward(self, ids: torch.Tensor):
+        hidden = self.m.model(ids).last_hidden_state
+        return {"hidden": hidden} if self.what == "dict" else hidden[..., :64]
+
+
+@pytest.mark.parametrize("what, match", [
+    ("dict", "returned dict, not \\[B, T, vocab\\] logits"),
+    ("narrow", "not next-token logits over a vocabulary that holds every calibration id"),
+])
+def test_loss_grad_needs_logits_over_the_vocabulary(what: str, match: str) -> None:
+    with pytest.raises(KVPolicyError, match=match):
+        capture_activations(_NotLogits(tiny_model("llama"), what), _ids(), loss_grad=True)
 
 
 def test_eager_attention_is_refused() -> None:
