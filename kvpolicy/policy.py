@@ -245,9 +245,10 @@ class LayerSensitivity(_Frozen):
 class Calibration(_Frozen):
     """The sensitivity table a bit budget is allocated from (``kvpolicy.budget.calibrate``).
 
-    One currency for both tensors: the relative error of the attention block's output
-    (``‖o' − o‖ / ‖o‖``, over the query rows that read quantized tokens) when one
-    tensor of one layer is quantized at one width and everything else is exact. Keys act
+    One currency for both tensors (``metric``; ``kvpolicy.budget.CALIBRATION_METRICS``):
+    what the change of the attention block's output costs when one tensor of one layer is
+    quantized at one width and everything else is exact; by default the squared
+    first-order change of the calibration text's loss, ``Σ_t (∂L/∂o_t · Δo_t)²``. Keys act
     through the scores and the softmax, values through the weighted sum.
 
     ``settings`` fingerprints what the errors depend on besides the width (per tensor:
@@ -255,7 +256,7 @@ class Calibration(_Frozen):
     saved table is refused once those change.
     """
 
-    metric: StrictStr = "relative attention-output error"
+    metric: StrictStr = "loss-weighted attention-output error"
     model: StrictStr = ""
     source: StrictStr  # which tokens: "pydoc text, last 512 tokens" or "user token ids"
     tokens: StrictInt = Field(gt=0)  # per row
