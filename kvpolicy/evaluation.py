@@ -7,10 +7,11 @@ scored token is produced by a single-token decode step that reads the cache: pre
 ``evaluate`` (``kvpolicy eval``) runs, on the same segments of pydoc text (or random
 tokens for ``quick``): the full-precision cache, the derived policy, its ablations through
 the public override API (axes, pre/post-RoPE keys, residual, sinks, bits), bit budgets
-(``FRONTIER_BUDGETS``, allocated from one calibration) and the peer (transformers' quanto
-``QuantizedCache``) with its default and its best axes, with cache bytes and decode-step
-wall time beside each perplexity; results go to ``report.md``, ``report.json`` and PNG
-plots.
+(``FRONTIER_BUDGETS``, allocated from one calibration; the middle one once more from the
+``relative`` currency of ``budget.CALIBRATION_METRICS``, to show what the default's loss
+weighting buys) and the peer (transformers' quanto ``QuantizedCache``) with its default
+and its best axes, with cache bytes and decode-step wall time beside each perplexity;
+results go to ``report.md``, ``report.json`` and PNG plots.
 
 The frontier puts the uniform widths (the "2/3/4 bits" ablations), the budgets and the
 peer on the same axes: perplexity ratio against steady-state compression, i.e. bytes per
@@ -301,9 +302,9 @@ def ablations(bits: int | float) -> list[tuple[str, str, dict[str, Any]]]:
 
 
 def frontier_points(runs: list[RunResult]) -> list[RunResult]:
-    """The frontier's runs: uniform widths ("bits" group), budgets and the peer, each with a
-    steady-state bytes-per-token figure."""
-    return [r for g in ("bits", "budget", "split", "peer") for r in runs
+    """The frontier's runs: uniform widths ("bits" group), budgets (and the "currency" run),
+    the hand splits and the peer, each with a steady-state bytes-per-token figure."""
+    return [r for g in ("bits", "budget", "currency", "split", "peer") for r in runs
             if r.group == g and r.bytes_per_token]
 
 
@@ -426,6 +427,12 @@ def evaluate(
             runs.append(replace(same, name=name, group="budget", settings=same.settings))
             continue
         seen[key] = run_policy(name, "budget", spec, calibration=cal)
+    # The middle budget once more, allocated from the plain relative output error: what the
+    # loss weighting of the default currency buys.
+    mid_name, mid_spec = budget_specs[len(budget_specs) // 2]
+    relative = _relative_calibration(load, mid_spec, cal, cal_input, progress)
+    run_policy(f"{mid_name}, relative-error currency", "currency", mid_spec,
+               calibration=relative)
 
     if peers:
         runs += _peer_runs(load, segs, context, steps, fp.perplexity, user, per_token,
@@ -472,6 +479,20 @@ def _frontier_calibration(
                         "settings": cal.settings},
     }
     return record, [(f"budget {b:g}", spec) for b, spec in specs], cal
+
+
+def _relative_calibration(load, spec: dict[str, Any], cal, cal_input, progress: bool):
+    """The calibration of ``spec``'s settings on the same input as ``cal``, in the
+    ``relative`` currency (``budget.CALIBRATION_METRICS``) instead of the default one."""
+    from . import budget
+    from .api import derive_policy
+
+    model = load()
+    policy = derive_policy(model, policy=spec, calibration=cal, progress=False)
+    if isinstance(cal_input, torch.Tensor):
+        return budget.calibrate(model, policy, cal_input, metric="relative", progress=progress)
+    return budget.calibrate(model, policy, tokenizer=cal_input, metric="relative",
+                            progress=progress)
 
 
 def _packed_bytes_per_token(mem: dict[str, Any], batch: int) -> float | None:
@@ -730,6 +751,7 @@ def _frontier_plot(report: EvalReport, out: Path, plt) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     placed: dict[float, int] = {}  # labels already at a compression: stack the next below
     for group, label, style in (("bits", "uniform width", "o-"), ("budget", "bit budget", "^-"),
+                                ("currency", "budget, relative-error currency", "v"),
                                 ("split", "keys/values split by hand", "D"),
                                 ("peer", "quanto (peer)", "s")):
         pts = sorted((r for r in points if r.group == group), key=lambda r: r.steady_compression)

@@ -78,8 +78,12 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
     rows = report.consumed["per_layer"]["K-channel-pre/V-token"]
     assert [(r["layer"], r["tensor"]) for r in rows][:2] == [(0, "key"), (0, "value")]
     assert "## Where the tensors are consumed" in (tmp_path / "report.md").read_text()
-    # Frontier: budget runs allocated from one calibration, within their budgets.
-    assert len(calibrations) == 1
+    # Frontier: budget runs allocated from one calibration, within their budgets; one more
+    # calibration in the relative currency for the middle budget.
+    assert len(calibrations) == 2
+    currency = [r for r in report.runs if r.group == "currency"]
+    assert [r.name for r in currency] == ["budget 2.5, relative-error currency"]
+    assert currency[0].avg_bits <= 2.5 and currency[0].settings["budget"] == 2.5
     assert report.frontier["calibration"]["tokens"] == 512
     assert report.frontier["calibration"]["seconds"] > 0
     budgets = [r for r in report.runs if r.group == "budget"]
