@@ -156,6 +156,19 @@ CALIBRATION_METRICS = {
 """
 
 
+def _pinned_fp(t: TensorPolicy) -> bool:
+    """A rule keeps ``t`` at full precision: nothing to measure, and the cache takes it
+    token by token."""
+    return t.bits_from == "rule" and t.bits == 16
+
+
+def _token_group(t: TensorPolicy) -> int:
+    """``QuantSpec.token_group`` of ``t`` in the cache the budget builds: one token at a time
+    where a rule pins it at full precision; every allocated width quantizes."""
+    bits = 16 if _pinned_fp(t) else min(BUDGET_WIDTHS)
+    return QuantSpec(bits, t.group_size, t.axis.value).token_group
+
+
 def _fits(t: TensorPolicy, width: int) -> bool:
     return (t.group_size * width) % 8 == 0
 
@@ -169,8 +182,7 @@ def _layer_errors(act, kp: TensorPolicy, vp: TensorPolicy, widths: Sequence[int]
         raise ValueError("the fisher metric needs activations captured with loss_grad=True")
     b, hq, t, _ = q.shape
     sinks, residual = kp.sinks, kp.residual
-    token_group = [p.group_size if p.axis.value == "channel" else 1 for p in (kp, vp)]
-    chunk = math.lcm(*token_group)
+    chunk = math.lcm(_token_group(kp), _token_group(vp))
     p = _packed_counts(t, sinks, residual, chunk).to(q.device)
     n_packed = int(p[-1])
     if n_packed == 0:
@@ -201,7 +213,7 @@ def _layer_errors(act, kp: TensorPolicy, vp: TensorPolicy, widths: Sequence[int]
     key_errs: list[float | None] = []
     value_errs: list[float | None] = []
     for w in widths:
-        if not _fits(kp, w):
+        if not _fits(kp, w) or _pinned_fp(kp):
             key_errs.append(None)
         else:
             stored = act.key_pre if pre_rope else k
@@ -215,7 +227,7 @@ def _layer_errors(act, kp: TensorPolicy, vp: TensorPolicy, widths: Sequence[int]
             s_mix = torch.where(quantized, s_hat, scores).masked_fill(~causal, float("-inf"))
             out_k = torch.matmul(torch.softmax(s_mix, dim=-1), v_heads)
             key_errs.append(error(out_k))
-        if not _fits(vp, w):
+        if not _fits(vp, w) or _pinned_fp(vp):
             value_errs.append(None)
         else:
             v_seg = consumed._roundtrip(v[:, :, seg].contiguous(),

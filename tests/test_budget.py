@@ -151,10 +151,13 @@ def test_packed_counts_follow_the_cache(sinks, residual, chunk):
         assert layer.n_packed == int(counts[i]), i
 
 
-@pytest.mark.parametrize("tensor", ["key", "value"])
-def test_calibration_error_is_what_the_decode_cache_gives(tensor):
+@pytest.mark.parametrize("tensor, key_bits", [("key", 2), ("value", 8), ("value", 16)])
+def test_calibration_error_is_what_the_decode_cache_gives(tensor, key_bits):
     """The calibration's emulation (which tokens a query reads quantized, pre-RoPE keys
-    rotated after dequantization) against the real cache, decoding one token at a time."""
+    rotated after dequantization) against the real cache, decoding one token at a time.
+
+    Values beside keys at 8 bits pack in the keys' chunks of 16 tokens (the 8-bit keys are
+    nearly exact); beside keys a rule pins at 16 bits, token by token."""
     from kvpolicy import consumed
     from kvpolicy.consumed import capture_activations
 
@@ -162,17 +165,18 @@ def test_calibration_error_is_what_the_decode_cache_gives(tensor):
     base = kvpolicy.derive_policy(model, policy=small_spec(2))
     act = capture_activations(model, calibration_ids(), loss_grad=True)[1]
     kp, vp = base.get(1, "key"), base.get(1, "value")
+    if key_bits == 16:
+        kp = kp.model_copy(update={"bits": 16, "bits_from": "rule"})
     expected = {}
     for metric in budget.CALIBRATION_METRICS:
         key_errs, value_errs = budget._layer_errors(act, kp, vp, (2,), torch.float32, metric)
         expected[metric] = key_errs[0] if tensor == "key" else value_errs[0]
 
     rope, positions = act.rotary()
-    # The other tensor exact (values) or nearly (keys at 8 bits: a full-precision key would
-    # pack values token by token, while the policy's quantized keys pack chunks of 16).
-    bits = {"key": 2, "value": 8}[tensor], {"key": 16, "value": 2}[tensor]
-    layer = PackedKVLayer(QuantSpec(bits[0], 16, "channel"), QuantSpec(bits[1], 16, "token"),
+    value_bits = 16 if tensor == "key" else 2  # the other tensor exact or nearly
+    layer = PackedKVLayer(QuantSpec(key_bits, 16, "channel"), QuantSpec(value_bits, 16, "token"),
                           residual=16, sinks=2, rope=rope)
+    assert layer.chunk == (1 if key_bits == 16 else 16)
     t = act.query.shape[2]
     outs = []
     for i in range(t):
@@ -185,7 +189,7 @@ def test_calibration_error_is_what_the_decode_cache_gives(tensor):
     scores = act.query @ consumed._expand(act.key, hq).transpose(-1, -2) * act.scale
     probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
     exact = probs @ consumed._expand(act.value, hq)
-    rows = budget._packed_counts(t, 2, 16, 16) > 0
+    rows = budget._packed_counts(t, 2, 16, layer.chunk) > 0
     relative = budget._rel(got, exact, rows)
     assert expected["relative"] > 1e-3  # a real quantization error, far above fp32 rounding
     assert relative == pytest.approx(expected["relative"], rel=2e-3)
@@ -219,6 +223,22 @@ def test_calibration_is_deterministic(tiny_calibrated):
     assert again.model_copy(update={"seconds": 0}) == cal.model_copy(update={"seconds": 0})
     other = budget.calibrate(model, base, calibration_ids(seed=2), progress=False)
     assert other.layers != cal.layers
+
+
+def test_full_precision_pin_is_part_of_the_calibration(tiny_calibrated):
+    """A key pinned at 16 bits makes the cache pack that layer's values token by token: the
+    calibration measures that schedule, and a table measured without the pin is refused."""
+    model, base, cal = tiny_calibrated
+    spec = small_spec(6.0, overrides=[{"layers": 0, "tensor": "key", "bits": 16}])
+    pol = kvpolicy.derive_policy(model, policy=spec, calibration=calibration_ids())
+    pinned = pol.calibration
+    assert pinned.settings != cal.settings
+    assert pinned.layers[1] == cal.layers[1]  # layer 1 is unchanged
+    assert pinned.layers[0].value != cal.layers[0].value
+    assert pinned.layers[0].key == (None,) * len(BUDGET_WIDTHS)  # not quantized: not measured
+    assert pol.get(0, "key").bits == 16 and pol.avg_bits <= 6.0
+    with pytest.raises(PolicyError, match="delete the 'calibration' block"):
+        kvpolicy.derive_policy(model, policy=spec, calibration=cal)
 
 
 def test_calibration_metrics(tiny_calibrated):
