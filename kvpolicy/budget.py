@@ -65,6 +65,7 @@ __all__ = [
     "CALIBRATION_METRICS",
     "calibrate",
     "calibration_ids",
+    "calibration_ids_from_file",
     "allocate",
     "apply_budget",
     "budget_policy",
@@ -114,6 +115,88 @@ def calibration_ids(
     if ids.numel() < tokens:
         raise KVPolicyError(f"the pydoc text has only {ids.numel()} tokens, {tokens} requested")
     return ids[-tokens:][None], f"pydoc text, last {tokens} tokens"
+
+
+_TOKEN_ID_SUFFIXES = (".pt", ".pth")
+
+
+def calibration_ids_from_file(
+    model: nn.Module, path: str | Path, tokens: int = CALIBRATION_TOKENS
+) -> torch.Tensor:
+    """Calibration token ids read from a file, for ``calibrate(model, policy, ids)``.
+
+    Args:
+        model: the model to calibrate; its tokenizer (saved beside its weights, at
+            ``config._name_or_path``) tokenizes a text file.
+        path: a ``.pt``/``.pth`` file holding token ids saved with ``torch.save`` (an integer
+            tensor ``[T]`` or ``[B, T]``, used whole), or any other file: UTF-8 text, of
+            which the first ``tokens`` tokens (no special tokens) are used.
+        tokens: how many tokens of a text file to keep; a shorter text gives fewer (and
+            :func:`calibrate` says when they are too few to pack anything).
+
+    Returns:
+        ``[B, T]`` int64 token ids (``B = 1`` for text and for a ``[T]`` tensor).
+
+    Raises:
+        KVPolicyError: the file is missing or cannot be read; a ``.pt`` file does not hold
+            an integer tensor of 1 or 2 dimensions; a text file is empty; text is given
+            but the model has no tokenizer saved beside it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise KVPolicyError(
+            f"calibration file {path} not found; give a .pt file of token ids saved with "
+            "torch.save, or a UTF-8 text file"
+        )
+    if path.suffix.lower() in _TOKEN_ID_SUFFIXES:
+        try:
+            ids = torch.load(path, weights_only=True, map_location="cpu")
+        except Exception as exc:  # unpickling errors come in many types
+            raise KVPolicyError(
+                f"calibration file {path}: cannot load it with torch.load(weights_only=True) "
+                f"({type(exc).__name__}: {exc}); save the token ids with "
+                "torch.save(ids, path), ids an integer tensor [T] or [B, T]"
+            ) from None
+        if isinstance(ids, torch.Tensor):
+            what = f"a {ids.dtype} tensor of shape {list(ids.shape)}"
+        else:
+            what = f"a {type(ids).__name__}"
+        if (
+            not isinstance(ids, torch.Tensor)
+            or ids.dtype.is_floating_point
+            or ids.dtype.is_complex
+            or ids.dtype == torch.bool
+            or ids.dim() not in (1, 2)
+            or ids.numel() == 0
+        ):
+            raise KVPolicyError(
+                f"calibration file {path} holds {what}; it must hold the token ids as a "
+                "non-empty integer tensor of shape [T] or [B, T] (e.g. "
+                "torch.save(tokenizer(text, return_tensors='pt').input_ids, path))"
+            )
+        ids = ids.to(torch.int64)
+        return ids[None] if ids.dim() == 1 else ids
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise KVPolicyError(
+            f"calibration file {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+            "give UTF-8 text, or token ids saved with torch.save as a .pt file"
+        ) from None
+    if not text.strip():
+        raise KVPolicyError(
+            f"calibration file {path} is empty; give about {tokens} tokens of text like the "
+            "text the model will see"
+        )
+    tok = _find_tokenizer(model)
+    if tok is None:
+        raise KVPolicyError(
+            f"calibration file {path} is text, and {type(model).__name__} has no tokenizer "
+            "saved at config._name_or_path to turn it into token ids; pass token ids "
+            "saved with torch.save as a .pt file instead (an integer tensor [T] or [B, T])"
+        )
+    ids = tok(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    return torch.tensor(ids[:tokens], dtype=torch.long)[None]
 
 
 # --------------------------------------------------------------------------- measure

@@ -1,4 +1,5 @@
-"""Command line: ``kvpolicy inspect --model smollm2-135m [--bits 2] [--policy FILE]``.
+"""Command line: ``kvpolicy inspect --model smollm2-135m [--bits 2] [--policy FILE]
+[--calibration FILE]``.
 
 Heavy imports (torch, transformers, the analysis) happen inside the commands so that
 ``kvpolicy --help`` answers at once.
@@ -74,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a YAML policy file or a preset name (see `kvpolicy presets`)",
     )
     inspect.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="for a budget: calibrate on this file instead of the default pydoc text; "
+        "token ids saved with torch.save as a .pt/.pth file (an integer tensor [T] or "
+        "[B, T], used whole), or UTF-8 text, of which the first 512 tokens are used (needs "
+        "a tokenizer saved beside the model)",
+    )
+    inspect.add_argument(
         "--format",
         choices=("table", "yaml", "json"),
         default="table",
@@ -131,8 +140,24 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     # import_module (not `from . import api`) so that tests can stand in a module via
     # sys.modules and so that nothing heavy loads before a command runs.
     api = importlib.import_module("kvpolicy.api")
+    extra: dict[str, Any] = {}
+    if args.calibration is not None:
+        from .policy import load_spec
+
+        if load_spec(args.policy, bits=args.bits).budget is None:
+            given = f"--bits {args.bits}" + (f" with --policy {args.policy}" if args.policy
+                                             else "")
+            raise KVPolicyError(
+                f"--calibration is only for a bit budget, and {given} sets fixed widths; "
+                "give a budget (a float such as --bits 2.5, or a --policy whose "
+                "defaults.bits is a float) or leave out --calibration"
+            )
     model = load_model(args.model)
-    policy = api.derive_policy(model, bits=args.bits, policy=args.policy)
+    if args.calibration is not None:
+        from .budget import calibration_ids_from_file
+
+        extra["calibration"] = calibration_ids_from_file(model, args.calibration)
+    policy = api.derive_policy(model, bits=args.bits, policy=args.policy, **extra)
     if args.save:
         path = api.save_policy(model, args.save)
         print(f"policy file written to {path}", file=sys.stderr)

@@ -13,8 +13,12 @@ import sys
 import types
 
 import pytest
+import torch
+from torch import nn
 
+from kvpolicy.budget import calibration_ids_from_file
 from kvpolicy.cli import main
+from kvpolicy.errors import KVPolicyError
 from kvpolicy.facts import Contracted, LayerFacts, RopeFacts, RopeStyle, TensorFacts
 from kvpolicy.policy import ModelPolicy, build_policy, load_spec
 
@@ -151,6 +155,156 @@ def test_inspect_end_to_end_on_a_tiny_model(capsys):
     out = capsys.readouterr().out
     assert "q·kᵀ over head_dim=32" in out and "softmax·V over tokens" in out
     assert "rotate_half RoPE on 8 of 32 channels" in out  # partial rotary, derived
+
+
+# --------------------------------------------------------------------------- --calibration
+# tiny-llama has no tokenizer beside it: before --calibration, no budget from the CLI.
+
+
+def _ids(path, shape=(1, 256), seed=0):
+    """Token ids of the tiny models' vocabulary saved with torch.save. 256 tokens: the
+    default windows (sinks 4 + residual 128 + a group of 32) need at least 164."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.save(torch.randint(3, 120, shape, generator=gen), path)
+    return str(path)
+
+
+def test_inspect_budget_calibrates_on_token_ids(capsys, tmp_path):
+    ids = _ids(tmp_path / "ids.pt")
+    assert main(["inspect", "--model", "tiny-llama", "--bits", "2.5", "--calibration", ids]) == 0
+    out = capsys.readouterr().out
+    assert "(budget 2.5" in out
+    assert "measured on user token ids" in out and "pydoc" not in out
+
+
+def test_inspect_calibration_ids_of_one_dimension_are_one_row(capsys, tmp_path):
+    ids = _ids(tmp_path / "ids.pth", shape=(200,))
+    argv = ["inspect", "--model", "tiny-llama", "--bits", "3.0", "--calibration", ids,
+            "--format", "json"]
+    assert main(argv) == 0
+    policy = ModelPolicy.from_json(capsys.readouterr().out)
+    assert policy.budget == 3.0
+    assert policy.calibration.source == "user token ids"
+    assert (policy.calibration.rows, policy.calibration.tokens) == (1, 200)  # all of it
+
+
+def test_inspect_calibration_with_a_budget_in_the_policy_file(capsys, tmp_path):
+    policy = tmp_path / "p.yaml"
+    policy.write_text("defaults: {bits: 2.5, group_size: 16, residual: 16, sinks: 2}\n")
+    ids = _ids(tmp_path / "ids.pt", shape=(2, 64))  # small windows: 64 tokens pack some
+    saved = tmp_path / "saved.yaml"
+    argv = ["inspect", "--model", "tiny-llama", "--policy", str(policy), "--calibration", ids,
+            "--save", str(saved)]
+    assert main(argv) == 0
+    assert "measured on user token ids" in capsys.readouterr().out
+    spec = load_spec(str(saved))
+    assert spec.calibration.source == "user token ids"
+    assert (spec.calibration.rows, spec.calibration.tokens) == (2, 64)
+
+
+@pytest.mark.parametrize(
+    "extra, given",
+    [
+        (["--bits", "2"], "--bits 2 sets fixed widths"),
+        (["--bits", "2.5", "--policy", "kivi-2"], "--bits 2.5 with --policy kivi-2 sets fixed"),
+    ],
+)
+def test_calibration_without_a_budget_exits_2(fake, capsys, tmp_path, extra, given):
+    ids = _ids(tmp_path / "ids.pt")
+    assert main(["inspect", "--model", "tiny-llama", *extra, "--calibration", ids]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpolicy: error: --calibration is only for a bit budget")
+    assert given in err and "--bits 2.5" in err
+    assert "tiny" not in fake and "derive" not in fake  # refused before loading the model
+
+
+def test_calibration_text_without_a_tokenizer_exits_2(capsys, tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("Some text like the text the model will see.\n" * 50, encoding="utf-8")
+    argv = ["inspect", "--model", "tiny-llama", "--bits", "2.5", "--calibration", str(text)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvpolicy: error: calibration file {text} is text")
+    assert "has no tokenizer" in err
+    assert "pass token ids saved with torch.save as a .pt file instead" in err
+
+
+def test_calibration_file_missing_exits_2(capsys, tmp_path):
+    missing = tmp_path / "missing.pt"
+    argv = ["inspect", "--model", "tiny-llama", "--bits", "2.5", "--calibration", str(missing)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"kvpolicy: error: calibration file {missing} not found" in err
+    assert "torch.save" in err
+
+
+def test_calibration_help_says_what_the_file_may_be(capsys):
+    assert main(["inspect", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--calibration FILE" in out
+    assert "torch.save as a .pt/.pth file" in out and "UTF-8 text" in out
+
+
+@pytest.mark.parametrize(
+    "value, what",
+    [
+        (torch.rand(1, 256), "a torch.float32 tensor of shape [1, 256]"),
+        (torch.zeros(1, 2, 256, dtype=torch.long), "a torch.int64 tensor of shape [1, 2, 256]"),
+        (torch.zeros(0, dtype=torch.long), "a torch.int64 tensor of shape [0]"),
+        ({"input_ids": torch.zeros(1, 8, dtype=torch.long)}, "holds a dict;"),
+    ],
+)
+def test_calibration_ids_from_a_bad_pt_file(tmp_path, value, what):
+    path = tmp_path / "ids.pt"
+    torch.save(value, path)
+    with pytest.raises(KVPolicyError, match="non-empty integer tensor of shape") as info:
+        calibration_ids_from_file(nn.Linear(2, 2), path)
+    assert what in str(info.value)
+
+
+def test_calibration_ids_from_a_pt_file_are_int64_rows(tmp_path):
+    path = tmp_path / "ids.pt"
+    torch.save(torch.arange(600, dtype=torch.int32), path)
+    ids = calibration_ids_from_file(nn.Linear(2, 2), path)
+    assert ids.dtype == torch.int64 and ids.shape == (1, 600)  # not truncated
+    assert torch.equal(ids[0], torch.arange(600))
+
+
+def test_calibration_ids_from_an_unreadable_pt_file(tmp_path):
+    path = tmp_path / "ids.pt"
+    path.write_bytes(b"not a torch file")
+    with pytest.raises(KVPolicyError, match="cannot load it with torch.load"):
+        calibration_ids_from_file(nn.Linear(2, 2), path)
+
+
+@pytest.mark.parametrize("content", [b"", b"  \n\t\n"])
+def test_calibration_ids_from_empty_text(tmp_path, content):
+    path = tmp_path / "empty.txt"
+    path.write_bytes(content)
+    with pytest.raises(KVPolicyError, match=r"empty\.txt is empty; give about 512 tokens"):
+        calibration_ids_from_file(nn.Linear(2, 2), path)
+
+
+def test_calibration_ids_from_text_that_is_not_utf8(tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("café crème".encode("latin-1"))
+    with pytest.raises(KVPolicyError, match="is not UTF-8 text"):
+        calibration_ids_from_file(nn.Linear(2, 2), path)
+
+
+@pytest.mark.real_model
+def test_calibration_ids_from_text_use_the_first_tokens(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    text = " ".join(f"word{i} of a calibration text." for i in range(150))
+    path = tmp_path / "text.md"
+    path.write_text(text, encoding="utf-8")
+    expected = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(expected) > 512
+    ids = calibration_ids_from_file(model, path)
+    assert ids.dtype == torch.int64 and ids.shape == (1, 512)
+    assert ids[0].tolist() == expected[:512]
+    short = calibration_ids_from_file(model, path, tokens=len(expected) + 10)
+    assert short[0].tolist() == expected  # a shorter text gives all it has
 
 
 @pytest.mark.real_model
