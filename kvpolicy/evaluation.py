@@ -744,30 +744,39 @@ def _plots(report: EvalReport, out: Path) -> None:
 
 
 def _frontier_plot(report: EvalReport, out: Path, plt) -> None:
-    """``frontier.png``: perplexity ratio against steady-state compression, per series."""
+    """``frontier.png``: perplexity ratio against steady-state compression, per series; with
+    a second panel zoomed onto kvpolicy's own points when a peer sits far above them."""
     points = frontier_points(report.runs)
     if not points:
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    placed: dict[float, int] = {}  # labels already at a compression: stack the next below
-    for group, label, style in (("bits", "uniform width", "o-"), ("budget", "bit budget", "^-"),
-                                ("currency", "budget, relative-error currency", "v"),
-                                ("split", "keys/values split by hand", "D"),
-                                ("peer", "quanto (peer)", "s")):
-        pts = sorted((r for r in points if r.group == group), key=lambda r: r.steady_compression)
-        if not pts:
-            continue
-        xs, ys = [r.steady_compression for r in pts], [r.ratio for r in pts]
-        ax.plot(xs, ys, style, label=label)
-        for r, x, y in zip(pts, xs, ys, strict=True):
-            n = placed.get(round(x, 2), 0)
-            placed[round(x, 2)] = n + 1
-            ax.annotate(r.name, (x, y), fontsize=7, xytext=(4, 3 - 9 * n),
-                        textcoords="offset points")
-    ax.set_xlabel("× smaller than fp16, steady state (codes + scales + zeros per token)")
-    ax.set_ylabel("perplexity / full-precision perplexity")
-    ax.set_title(f"{report.model}: frontier")
-    ax.legend(fontsize=8)
+    own = [r.ratio for r in points if r.group != "peer"]
+    zoom = bool(own) and max(r.ratio for r in points) > max(own) + 0.1
+    fig, axes = plt.subplots(1, 2 if zoom else 1, figsize=(13 if zoom else 7, 4.5),
+                             squeeze=False)
+    for n_ax, ax in enumerate(axes[0]):
+        placed: dict[float, int] = {}  # labels already at a compression: stack the next
+        for group, label, style in (
+            ("bits", "uniform width", "o-"), ("budget", "bit budget", "^-"),
+            ("currency", "budget, relative-error currency", "v"),
+            ("split", "keys/values split by hand", "D"), ("peer", "quanto (peer)", "s"),
+        ):
+            pts = sorted((r for r in points if r.group == group),
+                         key=lambda r: r.steady_compression)
+            if n_ax == 1:  # the zoomed panel: kvpolicy's points only
+                pts = [r for r in pts if r.group != "peer"]
+            if not pts:
+                continue
+            xs, ys = [r.steady_compression for r in pts], [r.ratio for r in pts]
+            ax.plot(xs, ys, style, label=label)
+            for r, x, y in zip(pts, xs, ys, strict=True):
+                k = placed.get(round(x, 2), 0)
+                placed[round(x, 2)] = k + 1
+                ax.annotate(r.name, (x, y), fontsize=7, xytext=(4, 3 - 9 * k),
+                            textcoords="offset points")
+        ax.set_xlabel("× smaller than fp16, steady state (codes + scales + zeros per token)")
+        ax.set_ylabel("perplexity / full-precision perplexity")
+        ax.set_title(f"{report.model}: frontier" + (", kvpolicy's points" if n_ax else ""))
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "frontier.png", dpi=120)
     plt.close(fig)
