@@ -1,11 +1,13 @@
 """A bit budget: 2.5 code bits per cached element on average, spread over the 60 cached
-tensors of SmolLM2 by how much each one's quantization disturbs the attention output.
+tensors of SmolLM2 by what each one's quantization costs: the change it makes to the
+attention output, weighted by the gradient of the calibration text's loss.
 
     python examples/bit_budget.py
 
-The calibration (one forward over 512 tokens of held-out text, then every tensor at every
-width) runs inside compile_model; save_policy writes it into a policy file, and compiling
-from that file skips it.
+The calibration (one forward and one backward over 512 tokens of held-out text, then every
+tensor at every width) runs inside compile_model; save_policy writes it into a policy file,
+and compiling from that file skips it. The perplexity printed at the end scores 64 tokens
+of one segment, a quick look; `kvpolicy eval` scores 4 x 256.
 """
 
 import tempfile
