@@ -184,11 +184,19 @@ def test_loss_grad_is_the_gradient_of_the_next_token_loss(arch: str) -> None:
     assert capture_activations(model, ids)[0].out_grad is None
 
 
-def test_loss_grad_runs_inside_inference_mode() -> None:
-    model = tiny_model("llama")
+def test_loss_grad_inside_inference_mode_and_for_a_frozen_model() -> None:
+    """Same gradients when called under ``torch.inference_mode()`` and when no parameter
+    requires grad (an inference-only model)."""
+    plain = capture_activations(tiny_model("llama"), _ids(), loss_grad=True)
     with torch.inference_mode():
-        acts = capture_activations(model, _ids(), loss_grad=True)
-    assert all(a.out_grad is not None and a.out_grad.abs().sum() > 0 for a in acts)
+        inside = capture_activations(tiny_model("llama"), _ids(), loss_grad=True)
+    frozen_model = tiny_model("llama").requires_grad_(False)
+    frozen = capture_activations(frozen_model, _ids(), loss_grad=True)
+    assert not any(p.requires_grad for p in frozen_model.parameters())
+    for a, b, c in zip(plain, inside, frozen, strict=True):
+        assert a.out_grad.abs().sum() > 0
+        torch.testing.assert_close(b.out_grad, a.out_grad)
+        torch.testing.assert_close(c.out_grad, a.out_grad)
 
 
 class _NotLogits(nn.Module):
