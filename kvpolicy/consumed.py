@@ -240,7 +240,8 @@ def capture_activations(
 
     Raises:
         KVPolicyError: the model is compiled by kvpolicy, ``input_ids`` is not 2-D, or
-            (``loss_grad``) the forward does not return logits.
+            (``loss_grad``) the forward does not return logits or the model was built under
+            ``torch.inference_mode()``.
         AnalysisError: a layer's attention did not run SDPA, or RoPE tables could not be
             found or do not invert.
     """
@@ -251,6 +252,13 @@ def capture_activations(
         )
     if input_ids.dim() != 2:
         raise KVPolicyError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+    if loss_grad and any(t.is_inference() for t in (*model.parameters(), *model.buffers())):
+        raise KVPolicyError(
+            f"{type(model).__name__} was built under torch.inference_mode(), so no gradient "
+            "can flow through it; build or load the model outside inference mode (calling "
+            "compile_model inside inference mode is fine), or calibrate with "
+            "budget.calibrate(..., metric='relative'), which needs no backward"
+        )
     analysis = analyse_model(model)
     active: list[int] = []
     calls: dict[int, tuple[tuple, dict]] = {}

@@ -305,6 +305,17 @@ def test_compile_with_a_budget(tmp_path, monkeypatch):
         kvpolicy.derive_policy(tiny_model("llama"), policy=str(stale))
 
 
+def test_budget_compiles_inside_inference_mode(tiny_calibrated):
+    """The calibration's backward runs even when compile_model is called under
+    torch.inference_mode(), and measures what it measures outside."""
+    _, _, cal = tiny_calibrated
+    model = tiny_model("llama")
+    with torch.inference_mode():
+        model = kvpolicy.compile_model(model, policy=small_spec(2.5),
+                                       calibration=calibration_ids(), progress=False)
+    assert kvpolicy.inspect(model).calibration.layers == cal.layers
+
+
 def test_pinned_rule_is_honoured_and_counted(tiny_calibrated):
     model, _, cal = tiny_calibrated
     assert len(cal.layers) == 2  # four tensors

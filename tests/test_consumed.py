@@ -188,8 +188,12 @@ def test_loss_grad_inside_inference_mode_and_for_a_frozen_model() -> None:
     """Same gradients when called under ``torch.inference_mode()`` and when no parameter
     requires grad (an inference-only model)."""
     plain = capture_activations(tiny_model("llama"), _ids(), loss_grad=True)
+    model = tiny_model("llama")
     with torch.inference_mode():
-        inside = capture_activations(tiny_model("llama"), _ids(), loss_grad=True)
+        inside = capture_activations(model, _ids(), loss_grad=True)
+        built_inside = tiny_model("llama")
+    with pytest.raises(KVPolicyError, match="built under torch.inference_mode"):
+        capture_activations(built_inside, _ids(), loss_grad=True)
     frozen_model = tiny_model("llama").requires_grad_(False)
     frozen = capture_activations(frozen_model, _ids(), loss_grad=True)
     assert not any(p.requires_grad for p in frozen_model.parameters())
