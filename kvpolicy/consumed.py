@@ -205,6 +205,13 @@ def _sdpa_arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) ->
     return kwargs.get(name, default)
 
 
+_RELATIVE_HINT = (
+    "or measure the plain relative output error, which needs no backward: "
+    "cal = kvpolicy.budget.calibrate(model, kvpolicy.derive_policy(model, bits=2), ids, "
+    "metric='relative'), then compile_model(model, bits=<budget>, calibration=cal)"
+)
+
+
 def _logits(out: Any) -> torch.Tensor:
     """The ``[B, T, vocab]`` logits of a model's forward output (HF output or a tensor)."""
     logits = getattr(out, "logits", None)
@@ -215,7 +222,7 @@ def _logits(out: Any) -> torch.Tensor:
         raise KVPolicyError(
             f"the model's forward returned {type(out).__name__}, not [B, T, vocab] logits; "
             "the loss-weighted calibration needs a causal LM's logits (an output with "
-            "`.logits`, a tensor, or a tuple starting with one)"
+            f"`.logits`, a tensor, or a tuple starting with one); {_RELATIVE_HINT}"
         )
     return logits
 
@@ -256,8 +263,7 @@ def capture_activations(
         raise KVPolicyError(
             f"{type(model).__name__} was built under torch.inference_mode(), so no gradient "
             "can flow through it; build or load the model outside inference mode (calling "
-            "compile_model inside inference mode is fine), or calibrate with "
-            "budget.calibrate(..., metric='relative'), which needs no backward"
+            f"compile_model inside inference mode is fine); {_RELATIVE_HINT}"
         )
     analysis = analyse_model(model)
     active: list[int] = []
@@ -293,7 +299,8 @@ def capture_activations(
                         f"the model's output of shape {tuple(logits.shape[:2]) + (-1,)} is "
                         f"not next-token logits over a vocabulary that holds every "
                         f"calibration id (largest {int(input_ids.max())}); the "
-                        "loss-weighted calibration needs a causal LM's [B, T, vocab] logits"
+                        "loss-weighted calibration needs a causal LM's [B, T, vocab] "
+                        f"logits; {_RELATIVE_HINT}"
                     )
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                        input_ids[:, 1:].reshape(-1), reduction="sum")

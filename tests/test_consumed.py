@@ -220,8 +220,20 @@ class _NotLogits(nn.Module):
     ("narrow", "not next-token logits over a vocabulary that holds every calibration id"),
 ])
 def test_loss_grad_needs_logits_over_the_vocabulary(what: str, match: str) -> None:
-    with pytest.raises(KVPolicyError, match=match):
-        capture_activations(_NotLogits(tiny_model("llama"), what), _ids(), loss_grad=True)
+    model = _NotLogits(tiny_model("llama"), what)
+    with pytest.raises(KVPolicyError, match=match) as info:
+        capture_activations(model, _ids(), loss_grad=True)
+    assert "metric='relative'" in str(info.value)
+    # The way out the message gives: a budget from the relative currency.
+    from kvpolicy import budget
+
+    spec = {"defaults": {"bits": 2, "group_size": 16, "residual": 16, "sinks": 2}}
+    ids = _ids(1, 96)
+    cal = budget.calibrate(model, derive_policy(model, policy=spec), ids, metric="relative",
+                           progress=False)
+    spec["defaults"]["bits"] = 2.5
+    pol = derive_policy(model, policy=spec, calibration=cal)
+    assert pol.budget == 2.5 and pol.avg_bits <= 2.5
 
 
 def test_eager_attention_is_refused() -> None:
