@@ -212,8 +212,11 @@ _RELATIVE_HINT = (
 )
 
 
-def _logits(out: Any) -> torch.Tensor:
-    """The ``[B, T, vocab]`` logits of a model's forward output (HF output or a tensor)."""
+def _loss_grads(out: Any, input_ids: torch.Tensor,
+                probes: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Per layer, the gradient of the summed next-token cross-entropy of ``input_ids``
+    with respect to its probe (the attention output), from the forward's output ``out``
+    (an HF output with ``.logits``, a tensor, or a tuple starting with one); fp32."""
     logits = getattr(out, "logits", None)
     if logits is None:
         logits = out if isinstance(out, torch.Tensor) else (
@@ -224,7 +227,21 @@ def _logits(out: Any) -> torch.Tensor:
             "the loss-weighted calibration needs a causal LM's logits (an output with "
             f"`.logits`, a tensor, or a tuple starting with one); {_RELATIVE_HINT}"
         )
-    return logits
+    largest = int(input_ids.max())
+    if logits.shape[:2] != input_ids.shape or logits.shape[-1] <= largest:
+        raise KVPolicyError(
+            f"the model's output of shape {tuple(logits.shape)} is not next-token logits "
+            f"over a vocabulary that holds every calibration id (ids {tuple(input_ids.shape)},"
+            f" largest {largest}); the loss-weighted calibration needs a causal LM's "
+            f"[B, T, vocab] logits; {_RELATIVE_HINT}"
+        )
+    logits = logits[:, :-1].float()
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1),
+                           reduction="sum")
+    layers = sorted(probes)
+    found = torch.autograd.grad(loss, [probes[i] for i in layers], allow_unused=True)
+    return {i: (torch.zeros_like(probes[i]) if g is None else g).detach().float()
+            for i, g in zip(layers, found, strict=True)}
 
 
 def capture_activations(
@@ -292,23 +309,7 @@ def capture_activations(
                 input_ids = input_ids.clone()
             out = model(input_ids)
             if probes:
-                logits = _logits(out)[:, :-1].float()
-                if logits.shape[:2] != input_ids[:, 1:].shape or \
-                        logits.shape[-1] <= int(input_ids.max()):
-                    raise KVPolicyError(
-                        f"the model's output of shape {tuple(logits.shape[:2]) + (-1,)} is "
-                        f"not next-token logits over a vocabulary that holds every "
-                        f"calibration id (largest {int(input_ids.max())}); the "
-                        "loss-weighted calibration needs a causal LM's [B, T, vocab] "
-                        f"logits; {_RELATIVE_HINT}"
-                    )
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                       input_ids[:, 1:].reshape(-1), reduction="sum")
-                layers = sorted(probes)
-                found = torch.autograd.grad(loss, [probes[i] for i in layers],
-                                            allow_unused=True)
-                grads = {i: torch.zeros_like(probes[i]) if g is None else g
-                         for i, g in zip(layers, found, strict=True)}
+                grads = _loss_grads(out, input_ids, probes)
             del out
     finally:
         for h in handles:
@@ -324,8 +325,6 @@ def capture_activations(
                 "model with attn_implementation='sdpa' to capture its activations"
             )
         args, kwargs = seen[i]
-        if i in grads:
-            grads[i] = grads[i].detach().float()
         q = _sdpa_arg(args, kwargs, 0, "query", None).detach().to(torch.float32, copy=True)
         k = _sdpa_arg(args, kwargs, 1, "key", None).detach().to(torch.float32, copy=True)
         v = _sdpa_arg(args, kwargs, 2, "value", None).detach().to(torch.float32, copy=True)
