@@ -64,6 +64,7 @@ __all__ = [
     "CALIBRATION_TOKENS",
     "CALIBRATION_METRICS",
     "calibrate",
+    "calibrate_on",
     "calibration_ids",
     "calibration_ids_from_file",
     "allocate",
@@ -239,16 +240,10 @@ CALIBRATION_METRICS = {
 """
 
 
-def _pinned_fp(t: TensorPolicy) -> bool:
-    """A rule keeps ``t`` at full precision: nothing to measure, and the cache takes it
-    token by token."""
-    return t.bits_from == "rule" and t.bits == 16
-
-
 def _token_group(t: TensorPolicy) -> int:
     """``QuantSpec.token_group`` of ``t`` in the cache the budget builds: one token at a time
     where a rule pins it at full precision; every allocated width quantizes."""
-    bits = 16 if _pinned_fp(t) else min(BUDGET_WIDTHS)
+    bits = 16 if t.pinned_full_precision else min(BUDGET_WIDTHS)
     return QuantSpec(bits, t.group_size, t.axis.value).token_group
 
 
@@ -296,7 +291,7 @@ def _layer_errors(act, kp: TensorPolicy, vp: TensorPolicy, widths: Sequence[int]
     key_errs: list[float | None] = []
     value_errs: list[float | None] = []
     for w in widths:
-        if not _fits(kp, w) or _pinned_fp(kp):
+        if not _fits(kp, w) or kp.pinned_full_precision:
             key_errs.append(None)
         else:
             stored = act.key_pre if pre_rope else k
@@ -310,7 +305,7 @@ def _layer_errors(act, kp: TensorPolicy, vp: TensorPolicy, widths: Sequence[int]
             s_mix = torch.where(quantized, s_hat, scores).masked_fill(~causal, float("-inf"))
             out_k = torch.matmul(torch.softmax(s_mix, dim=-1), v_heads)
             key_errs.append(error(out_k))
-        if not _fits(vp, w) or _pinned_fp(vp):
+        if not _fits(vp, w) or vp.pinned_full_precision:
             value_errs.append(None)
         else:
             v_seg = consumed._roundtrip(v[:, :, seg].contiguous(),
@@ -544,8 +539,15 @@ def budget_policy(
         cal = calibration
     elif spec.calibration is not None and calibration is None:
         cal = spec.calibration
-    elif calibration is None or isinstance(calibration, torch.Tensor):
-        cal = calibrate(model, base, calibration, progress=progress)
-    else:  # a tokenizer
-        cal = calibrate(model, base, tokenizer=calibration, progress=progress)
+    else:
+        cal = calibrate_on(model, base, calibration, progress=progress)
     return apply_budget(base, cal, budget), cal
+
+
+def calibrate_on(model: nn.Module, policy: ModelPolicy, source: torch.Tensor | Any = None,
+                 **kwargs: Any) -> Calibration:
+    """:func:`calibrate` on ``source``: ``[B, T]`` token ids, a tokenizer for the default
+    text, or None (the default text, with the tokenizer saved beside the model)."""
+    if source is None or isinstance(source, torch.Tensor):
+        return calibrate(model, policy, source, **kwargs)
+    return calibrate(model, policy, tokenizer=source, **kwargs)

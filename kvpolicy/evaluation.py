@@ -489,10 +489,7 @@ def _relative_calibration(load, spec: dict[str, Any], cal, cal_input, progress: 
 
     model = load()
     policy = derive_policy(model, policy=spec, calibration=cal, progress=False)
-    if isinstance(cal_input, torch.Tensor):
-        return budget.calibrate(model, policy, cal_input, metric="relative", progress=progress)
-    return budget.calibrate(model, policy, tokenizer=cal_input, metric="relative",
-                            progress=progress)
+    return budget.calibrate_on(model, policy, cal_input, metric="relative", progress=progress)
 
 
 def _packed_bytes_per_token(mem: dict[str, Any], batch: int) -> float | None:

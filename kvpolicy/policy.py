@@ -364,6 +364,12 @@ class TensorPolicy(_Frozen):
         return self.bits == FULL_PRECISION
 
     @property
+    def pinned_full_precision(self) -> bool:
+        """A rule keeps this tensor at 16 bits: a budget does not allocate it, and the cache
+        takes it token by token, so its layer's other tensor packs token by token too."""
+        return self.bits_from == "rule" and self.full_precision
+
+    @property
     def elements_per_token(self) -> int:
         return self.num_kv_heads * self.head_dim
 
@@ -464,7 +470,7 @@ class ModelPolicy(_Frozen):
         parts = [self.model] + [
             f"{t.layer}{t.tensor.value[0]}:{t.axis.value}:{t.group_size}:{int(t.pre_rope)}:"
             f"{t.residual}:{t.sinks}:{t.num_kv_heads}x{t.head_dim}"
-            + (":fp" if t.bits_from == "rule" and t.bits == 16 else "")
+            + (":fp" if t.pinned_full_precision else "")
             for t in self.tensors
         ]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
