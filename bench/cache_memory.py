@@ -14,8 +14,8 @@ import argparse
 
 import torch
 
-from kvpolicy.cache import PackedKVLayer
 from kvpolicy.kernels.layout import QuantSpec, RotarySpec
+from kvpolicy.runtime.layer import PackedKVLayer
 
 KV_HEADS, HEAD_DIM, GROUP, RESIDUAL, SINKS = 3, 64, 32, 128, 4
 

@@ -24,9 +24,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvpolicy.cache import PackedKVLayer
-from kvpolicy.kernels import _cpu_ext
+from kvpolicy.kernels import cpu_ext
 from kvpolicy.kernels.layout import QuantSpec, RotarySpec
+from kvpolicy.runtime.layer import PackedKVLayer
 
 HQ, HKV, D = 9, 3, 64
 
@@ -85,7 +85,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rope = rotary(max(args.tokens) + 1)
-    native = _cpu_ext.load(args.bits, args.bits, 32, 32, D, D, D // 2) is not None
+    native = cpu_ext.load(args.bits, args.bits, 32, 32, D, D, D // 2) is not None
     print(f"torch {torch.__version__}, {args.threads} threads, load average "
           f"{os.getloadavg()[0]:.2f}, C++ kernel: {'yes' if native else 'no (eager path)'}")
     rows = []

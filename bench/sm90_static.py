@@ -27,7 +27,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from kvpolicy.kernels import triton_attention as ta  # noqa: E402
+from kvpolicy.kernels import triton_attention as ta
 from kvpolicy.kernels._triton_util import compile_ahead  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)

@@ -11,7 +11,7 @@ head_dim). Quantization is uniform and asymmetric per *group*:
 Codes are computed against the *stored* (rounded) scale and zero so that dequantization
 reproduces exactly what the quantizer assumed.
 
-Two layouts, named by the axis along which the scales vary (DESIGN.md §1):
+Two layouts, named by the axis along which the scales vary (docs/design.md §1):
 
 ``Axis "channel"`` (keys: contracted over channels -> one scale per channel)
     groups are G consecutive tokens of one channel.
@@ -33,23 +33,39 @@ Two layouts, named by the axis along which the scales vary (DESIGN.md §1):
 Bit order: element i of a stream occupies bits ``[i*bits, (i+1)*bits)`` of the stream,
 counted from the least significant bit of byte 0 (little-endian). 3-bit codes therefore
 straddle byte boundaries: 32 codes take 12 bytes, no padding to 4 bits.
-``G * bits`` must be a multiple of 8 so that every group starts on a byte boundary.
+``G * bits`` must be a multiple of 8 so that every group starts on a byte boundary
+(:func:`byte_aligned`).
 
 ``bits == 16`` means "kept in full precision": the segment is stored as the plain tensor.
+
+This module is the one home of these facts (:data:`SUPPORTED_BITS`, :data:`FULL_PRECISION`,
+:func:`byte_aligned`). It imports torch only for type checking, so the policy schema can
+import them without loading torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from ..errors import CacheError
 
-__all__ = ["SUPPORTED_BITS", "QuantSpec", "Packed", "RotarySpec"]
+if TYPE_CHECKING:
+    import torch
 
-SUPPORTED_BITS = (1, 2, 3, 4, 8, 16)
+__all__ = [
+    "SUPPORTED_BITS", "FULL_PRECISION", "byte_aligned", "QuantSpec", "Packed", "RotarySpec",
+]
+
+# The code widths the packed layout supports; 16 means "kept in full precision".
+SUPPORTED_BITS: tuple[int, ...] = (1, 2, 3, 4, 8, 16)
+FULL_PRECISION = 16
+
+
+def byte_aligned(n: int, bits: int) -> bool:
+    """Whether ``n`` codes of ``bits`` bits fill whole bytes, i.e. a group of ``n`` codes
+    starts every following group on a byte boundary (always true in full precision)."""
+    return bits >= FULL_PRECISION or (n * bits) % 8 == 0
 
 AxisName = Literal["channel", "token"]
 
@@ -69,8 +85,8 @@ class QuantSpec:
             raise CacheError(f"axis={self.axis!r} is not 'channel' or 'token'")
         if self.group_size < 1:
             raise CacheError(f"group_size={self.group_size} must be a positive integer")
-        if self.bits != 16 and (self.group_size * self.bits) % 8 != 0:
-            ok = [g for g in (8, 16, 32, 64, 128) if (g * self.bits) % 8 == 0]
+        if not byte_aligned(self.group_size, self.bits):
+            ok = [g for g in (8, 16, 32, 64, 128) if byte_aligned(g, self.bits)]
             raise CacheError(
                 f"group_size={self.group_size} with bits={self.bits} does not start every "
                 f"group on a byte boundary (group_size*bits must be a multiple of 8); "
@@ -79,7 +95,7 @@ class QuantSpec:
 
     @property
     def full_precision(self) -> bool:
-        return self.bits == 16
+        return self.bits == FULL_PRECISION
 
     @property
     def token_group(self) -> int:

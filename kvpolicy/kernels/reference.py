@@ -4,6 +4,9 @@ Every function here is written to be obviously correct, not fast: bits are expan
 per element, groups are formed by reshapes, attention materialises the full score
 matrix in fp32. The torch and Triton backends implement the same signatures over the
 same layout (:mod:`kvpolicy.kernels.layout`) and are tested against these.
+:data:`BACKEND` bundles them as a :class:`~kvpolicy.kernels.contract.Backend` record, the
+oracle of tests, benchmarks and calibration; the runtime never runs it (it is not one of
+the names :func:`kvpolicy.kernels.backend.select` accepts).
 
 Conventions
 -----------
@@ -24,7 +27,8 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import CacheError
-from .layout import Packed, QuantSpec, RotarySpec
+from .contract import Backend, compose_decode
+from .layout import Packed, QuantSpec, RotarySpec, byte_aligned
 
 __all__ = [
     "pack_bits",
@@ -36,6 +40,8 @@ __all__ = [
     "merge_partials",
     "merge_partials_lse",
     "packed_attention_partial",
+    "decode_attention",
+    "BACKEND",
 ]
 
 
@@ -57,7 +63,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if not 1 <= bits <= 8:
         raise CacheError(f"pack_bits: bits={bits} must be in 1..8")
     n = codes.shape[-1]
-    if (n * bits) % 8 != 0:
+    if not byte_aligned(n, bits):
         raise CacheError(f"pack_bits: {n} codes of {bits} bits do not fill whole bytes")
     shifts = torch.arange(bits, device=codes.device, dtype=torch.uint8)
     # [..., N, bits]: bit j of code i is stream bit i*bits + j.
@@ -331,3 +337,22 @@ def packed_attention_partial(
             raise CacheError("pre-RoPE keys need k_positions [B, Tk]")
         kd = apply_rope(kd, k_positions, rope)
     return attention_partial(q, kd, vd, scale=scale, mask=mask)
+
+
+decode_attention = compose_decode(
+    packed_attention_partial=packed_attention_partial,
+    attention_partial=attention_partial,
+    apply_rope=apply_rope,
+    merge_partials=merge_partials_lse,
+)
+
+BACKEND = Backend(
+    name="reference",
+    quantize=quantize,
+    dequantize=dequantize,
+    attention_partial=attention_partial,
+    packed_attention_partial=packed_attention_partial,
+    apply_rope=apply_rope,
+    merge_partials=merge_partials_lse,
+    decode_attention=decode_attention,
+)

@@ -3,18 +3,25 @@
 Same signatures as :mod:`kvpolicy.kernels.reference`. No Python loop runs over tokens or
 groups. Two paths for :func:`packed_attention_partial`:
 
-* a fused C++ kernel (:mod:`kvpolicy.kernels._cpu_ext`) on CPU for up to
+* a fused C++ kernel (:mod:`kvpolicy.kernels.cpu_ext`) on CPU for up to
   ``_CPP_MAX_ROWS`` query rows per kv head (decode, chunked prefill), which reads each
   packed byte once and never materialises a dequantized cache; :func:`fused_attention`
-  also folds the cache's full-precision tokens into the same call;
+  (and so :func:`decode_attention`) also folds the cache's full-precision tokens into the
+  same call;
 * an eager path (other devices, longer prefills, layouts the kernel does not cover, or no
   compiler): word-wise unpack, dequantize, rotate, one matmul pair with GQA folded into
   query rows.
 
-Measured here (8K tokens, SmolLM2 shapes, 2-bit, rope; 2 threads, shared machine): C++
-0.9-1.1 ms, the eager path 8.6-18 ms, the eager path under ``torch.compile`` 2.3-2.6 ms
-after a 19 s compile.
+:func:`apply_rope` and :func:`merge_partials_lse` are the reference's own functions,
+re-exported: there they are already vectorised torch (one gather and elementwise ops; one
+stacked log-sum-exp), so this backend has nothing faster to offer. :data:`BACKEND` is this
+backend's record (:class:`~kvpolicy.kernels.contract.Backend`); the Triton backend borrows
+its dequantize, full-precision attention, rotation and merge.
 """
+
+# NOTE: 8K tokens, SmolLM2 shapes, 2-bit, rope; 2 threads, shared machine: C++ 0.9-1.1 ms,
+# the eager path 8.6-18 ms, the eager path under torch.compile 2.3-2.6 ms after a 19 s
+# compile.
 
 from __future__ import annotations
 
@@ -27,19 +34,28 @@ from typing import Any
 import torch
 
 from ..errors import CacheError
-from . import _cpu_ext
-from . import reference as _ref
-from .layout import Packed, QuantSpec, RotarySpec
+from . import cpu_ext, reference
+from .contract import Backend, compose_decode
+from .layout import Packed, QuantSpec, RotarySpec, byte_aligned
 
 __all__ = [
     "quantize",
     "dequantize",
     "attention_partial",
     "packed_attention_partial",
+    "apply_rope",
+    "merge_partials_lse",
     "fused_attention",
+    "decode_attention",
+    "BACKEND",
 ]
 
 log = logging.getLogger(__name__)
+
+# Already vectorised torch in the reference (see the module docstring).
+apply_rope = reference.apply_rope
+merge_partials_lse = reference.merge_partials_lse
+
 
 def attention_partial(
     q: torch.Tensor,
@@ -51,8 +67,8 @@ def attention_partial(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of :func:`reference.attention_partial`, with GQA folded into query rows.
 
-    NOTE: the query heads of one kv head become rows of one matmul instead of expanding
-    K and V ``Hq/Hkv`` times (the reference's repeat_interleave copies 3x the cache).
+    The query heads of one kv head become rows of one matmul instead of expanding K and V
+    ``Hq/Hkv`` times (the reference's repeat_interleave copies the cache that many times).
     """
     b, hq, tq, d = q.shape
     hkv, tk, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -88,17 +104,15 @@ def _unit(bits: int) -> tuple[int, int]:
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Same contract as :func:`reference.pack_bits`: OR the codes of each byte-aligned unit
-    together (a loop over the <= 8 code slots of a unit, not over tokens or groups).
-
-    NOTE: quantize of [1, 3, 8192, 64] at 2 bits, 2 threads: 14.0 ms (keys) / 6.5 ms
-    (values) with an int64 word per unit built by a shifted sum over the unit dim; 2.8 /
-    3.8 ms with this OR of strided uint8 slices.
-    """
+    together (a loop over the <= 8 code slots of a unit, not over tokens or groups)."""
+    # NOTE: quantize of [1, 3, 8192, 64] at 2 bits, 2 threads: 14.0 ms (keys) / 6.5 ms
+    # (values) with an int64 word per unit built by a shifted sum over the unit dim; 2.8 /
+    # 3.8 ms with this OR of strided uint8 slices.
     if bits == 8:
         return codes
     per, nbytes = _unit(bits)
     n = codes.shape[-1]
-    if n % per != 0:
+    if not byte_aligned(n, bits):
         raise CacheError(f"pack_bits: {n} codes of {bits} bits do not fill whole bytes")
     lead = codes.shape[:-1]
     c = codes.reshape(*lead, n // per, per)
@@ -217,7 +231,7 @@ def _eager_packed_attention(
     if rope is not None:
         if k_positions is None:
             raise CacheError("pre-RoPE keys need k_positions [B, Tk]")
-        kd = _ref.apply_rope(kd, k_positions, rope)
+        kd = apply_rope(kd, k_positions, rope)
     return attention_partial(q, kd, vd, scale=scale, mask=mask)
 
 
@@ -279,12 +293,11 @@ def fused_attention(
     ``(out, lse)`` as :func:`packed_attention_partial` over the union of both segments, or
     ``None`` when the C++ kernel does not cover these inputs (the caller then runs the
     segments separately).
-
-    NOTE: 8K-token decode step, SmolLM2 shapes, 1 thread (min): with the ~160
-    full-precision tokens in eager torch (rope, matmuls, LSE merge) a whole ``attend`` took
-    1.7-1.9 ms against 1.0-1.3 ms for the packed kernel alone; folded into the same call,
-    0.95 ms (kernel 0.71 ms).
     """
+    # NOTE: 8K-token decode step, SmolLM2 shapes, 1 thread (min): with the ~160
+    # full-precision tokens in eager torch (rope, matmuls, LSE merge) a whole `attend` took
+    # 1.7-1.9 ms against 1.0-1.3 ms for the packed kernel alone; folded into the same call,
+    # 0.95 ms (kernel 0.71 ms).
     if not _cpp_supported(q, k, k_spec, v_spec, rope):
         return None
     dv = v.codes.shape[-1] * 8 // v_spec.bits
@@ -292,12 +305,70 @@ def fused_attention(
         return None
     half = 0 if rope is None else rope.rotary_dim // 2
     store = _storage_dtype(k, v, fk, fv)
-    lib = _cpu_ext.load(k_spec.bits, v_spec.bits, k_spec.group_size, v_spec.group_size,
+    lib = cpu_ext.load(k_spec.bits, v_spec.bits, k_spec.group_size, v_spec.group_size,
                         q.shape[-1], dv, half, _SDT[store])
     if lib is None:
         return None
     return _cpp_attention(lib, q, k, v, k_spec, v_spec, fk, fv, scale, mask, fp_mask, rope,
                           k_positions, fp_positions, check_positions, store)
+
+
+_by_segments = compose_decode(
+    packed_attention_partial=packed_attention_partial,
+    attention_partial=attention_partial,
+    apply_rope=apply_rope,
+    merge_partials=merge_partials_lse,
+)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: Packed | None,
+    v: Packed | None,
+    k_spec: QuantSpec,
+    v_spec: QuantSpec,
+    fk: torch.Tensor | None,
+    fv: torch.Tensor | None,
+    *,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    fp_mask: torch.Tensor | None = None,
+    rope: RotarySpec | None = None,
+    k_positions: torch.Tensor | None = None,
+    fp_positions: torch.Tensor | None = None,
+    check_positions: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax over a packed and a full-precision segment (``Backend.decode_attention``).
+
+    :func:`fused_attention` (one C++ call) where it covers the inputs and there is a packed
+    segment; otherwise the segments one by one (:func:`packed_attention_partial`,
+    :func:`attention_partial` over the rotated full-precision keys) merged by
+    :func:`merge_partials_lse`.
+    """
+    if k is not None and v is not None:
+        got = fused_attention(
+            q, k, v, k_spec, v_spec, fk, fv, scale=scale, mask=mask, fp_mask=fp_mask,
+            rope=rope, k_positions=k_positions, fp_positions=fp_positions,
+            check_positions=check_positions,
+        )
+        if got is not None:
+            return got
+    return _by_segments(
+        q, k, v, k_spec, v_spec, fk, fv, scale=scale, mask=mask, fp_mask=fp_mask, rope=rope,
+        k_positions=k_positions, fp_positions=fp_positions,
+    )
+
+
+BACKEND = Backend(
+    name="torch",
+    quantize=quantize,
+    dequantize=dequantize,
+    attention_partial=attention_partial,
+    packed_attention_partial=packed_attention_partial,
+    apply_rope=apply_rope,
+    merge_partials=merge_partials_lse,
+    decode_attention=decode_attention,
+)
 
 
 # --------------------------------------------------------------------------- C++ path
@@ -447,7 +518,7 @@ def _cpp_attention(
     keep += [qs, kc, ks, kz, vc, vs, vz]
     out = torch.empty(b, hq, tq, dv)
     lse = torch.empty(b, hq, tq)
-    p = _cpu_ext.Params(
+    p = cpu_ext.Params(
         B=b, Hkv=hkv, rep=hq // hkv, Tq=tq, Dk=dk, Dv=dv, Tk=tk,
         Gk=k_spec.group_size, Gv=v_spec.group_size,
         chunk=max(k_spec.group_size, _CHUNK_TOKENS // k_spec.group_size * k_spec.group_size),

@@ -9,11 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpolicy.kernels import _cpu_ext
+from kvpolicy.kernels import cpu_ext
 from kvpolicy.kernels import reference as ref
 from kvpolicy.kernels import torch_backend as tb
 from kvpolicy.kernels.layout import Packed, QuantSpec, RotarySpec
-from kvpolicy.testing import rope_spec
+from kvpolicy.zoo.tiny import rope_spec
 
 
 def make_rope(style: str, rotary_dim: int, positions: int = 4096) -> RotarySpec:
@@ -28,13 +28,26 @@ ROPES = {
 }
 
 
+def require_cpp(monkeypatch) -> None:
+    """Skip when no C++ compiler is installed; otherwise build strictly.
+
+    The torch backend asks ``cpu_ext.load``, which turns a failed build into the eager
+    fallback; here it asks ``cpu_ext.build`` instead, so a compile error fails the test
+    with the compiler's output rather than passing on the eager path.
+    """
+    if cpu_ext.compiler() is None:
+        pytest.skip("no C++ compiler: the C++ path cannot be built here")
+    monkeypatch.delenv("KVPOLICY_NO_CPP", raising=False)
+    monkeypatch.setattr(cpu_ext, "load", cpu_ext.build)
+
+
 @pytest.fixture(params=("cpp", "eager"))
 def path(request, monkeypatch) -> str:
     """Run a test through the C++ kernel and through the eager fallback."""
     if request.param == "eager":
         monkeypatch.setenv("KVPOLICY_NO_CPP", "1")
-    elif _cpu_ext.load(2, 2, 32, 32, 64, 64) is None:
-        pytest.skip("no C++ compiler: the C++ path cannot be built here")
+    else:
+        require_cpp(monkeypatch)
     return request.param
 
 
@@ -93,8 +106,7 @@ def packed_pair(k, v, ks, vs):
 
 @pytest.fixture
 def cpp(monkeypatch) -> str:
-    if _cpu_ext.load(2, 2, 32, 32, 64, 64) is None:
-        pytest.skip("no C++ compiler: the C++ path cannot be built here")
+    require_cpp(monkeypatch)
     return "cpp"
 
 
@@ -202,8 +214,12 @@ def test_other_head_dim_and_group_size(path) -> None:
 def test_missing_compiler_falls_back(monkeypatch, tmp_path, caplog) -> None:
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("KVPOLICY_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_cpu_ext, "_libs", {})
-    monkeypatch.setattr(_cpu_ext.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_ext, "_libs", {})
+    monkeypatch.setattr(cpu_ext, "_warned", set())
+    monkeypatch.setattr(cpu_ext.shutil, "which", lambda name: None)
+    assert cpu_ext.compiler() is None
+    with pytest.raises(cpu_ext.BuildError, match="no C\\+\\+ compiler"):
+        cpu_ext.build(2, 2, 32, 32, 64, 64)
     ks, vs = QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token")
     k, v = torch.randn(2, 1, 3, 64, 64).unbind(0)
     q = torch.randn(1, 3, 1, 64)
@@ -213,3 +229,39 @@ def test_missing_compiler_falls_back(monkeypatch, tmp_path, caplog) -> None:
     assert "eager torch path" in caplog.text
     r_out, _ = ref.packed_attention_partial(q, pk, pv, ks, vs, scale=0.125)
     torch.testing.assert_close(out, r_out, atol=1e-5, rtol=1e-5)
+
+
+def _broken_build(monkeypatch, tmp_path) -> None:
+    """A compiler that fails on this source (an #error line), with a fresh build cache."""
+    if cpu_ext.compiler() is None:
+        pytest.skip("no C++ compiler: a build error cannot be produced here")
+    monkeypatch.delenv("KVPOLICY_NO_CPP", raising=False)
+    monkeypatch.setenv("KVPOLICY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_ext, "_libs", {})
+    monkeypatch.setattr(cpu_ext, "_warned", set())
+    source = "#error kvpolicy-test-build-error\n" + cpu_ext._source()
+    monkeypatch.setattr(cpu_ext, "_source", lambda: source)
+
+
+def test_build_error_raises_with_the_compiler_output(monkeypatch, tmp_path) -> None:
+    _broken_build(monkeypatch, tmp_path)
+    with pytest.raises(cpu_ext.BuildError, match="kvpolicy-test-build-error"):
+        cpu_ext.build(2, 2, 32, 32, 64, 64)
+
+
+def test_build_error_falls_back_with_one_warning(monkeypatch, tmp_path, caplog) -> None:
+    """For users a failed build is the eager path, logged once at warning level."""
+    _broken_build(monkeypatch, tmp_path)
+    ks, vs = QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token")
+    k, v = torch.randn(2, 1, 3, 64, 64).unbind(0)
+    q = torch.randn(1, 3, 1, 64)
+    pk, pv = packed_pair(k, v, ks, vs)
+    with caplog.at_level(logging.WARNING, logger=cpu_ext.__name__):
+        outs = [tb.packed_attention_partial(q, pk, pv, ks, vs, scale=0.125)[0] for _ in range(3)]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "kvpolicy-test-build-error" in warnings[0].getMessage()
+    assert "eager torch path" in warnings[0].getMessage()
+    r_out, _ = ref.packed_attention_partial(q, pk, pv, ks, vs, scale=0.125)
+    for out in outs:
+        torch.testing.assert_close(out, r_out, atol=1e-5, rtol=1e-5)

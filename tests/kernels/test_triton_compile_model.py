@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvpolicy
-from kvpolicy.testing import tiny_model
+from kvpolicy.zoo.tiny import tiny_model
 
 pytestmark = pytest.mark.triton
 

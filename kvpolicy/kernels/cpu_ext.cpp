@@ -1,44 +1,7 @@
-"""A fused C++ CPU kernel for decode attention over the packed cache, loaded through ctypes.
-
-One call covers one softmax over a packed segment and (optionally) a full-precision
-segment (sinks + residual window). Per group of G tokens it unpacks the key codes of all
-channels into a small fp32 tile (L1-resident), rotates them at their positions, and
-scores them against every query row of the GQA group; values are then dequantized
-TB=8 token rows at a time and accumulated into registers. Tokens are split into chunks
-(work items) processed in parallel, each producing ``(max, sum, unnormalised out)`` per
-row, merged by log-sum-exp at the end. Each packed byte is read once per call; no
-dequantized cache is ever materialised.
-
-Covered (everything else falls back to the eager torch path): key axis "channel" and
-value axis "token", bits in {1, 2, 3, 4, 8} each, no RoPE or rotate_half / interleaved.
-Queries, scales and full-precision tokens are passed as fp32 (the caller converts).
-
-Each library is specialised by ``-D`` (bits, group sizes, head dims, rotary width) so
-every inner loop has a compile-time trip count, and is built with g++ on first use into
-``~/.cache/kvpolicy/cpu_ext/<hash>-<config>/`` (the hash covers the source, the flags and
-the CPU's feature flags, because of ``-march=native``).
-
-NOTE: a plain shared library through ctypes rather than ``torch.utils.cpp_extension``
-(not tried): no torch/pybind headers to compile, ctypes releases the GIL during the call.
-Measured here: one specialised library builds in ~1 s; one library with all 25 bit-width
-pairs instantiated took 27 s, hence one library per spec.
-"""
-
-from __future__ import annotations
-
-import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
-
-log = logging.getLogger(__name__)
-
-_SOURCE = r"""
+// Fused decode attention over the packed KV cache (kvpolicy.kernels.cpu_ext builds and
+// loads it through ctypes; see that module for what it covers). Specialised per library
+// by -D: KVP_KB/KVP_VB (bits), KVP_GK/KVP_GV (group sizes), KVP_DK/KVP_DV (head dims),
+// KVP_HALF (rotary_dim / 2) and KVP_SDT (storage type of scales, zeros and fp tokens).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -288,7 +251,7 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
     }
     // ---- values: dequantize TB token rows (L1) and add p * row to every query row.
     // NOTE: whole 8K-token step, 1 thread, SmolLM2 shapes, 2 bits (min of 30): folding
-    // p_t s_t into the codes (DESIGN.md §4) with unit-major accumulators 2.1-3.8 ms;
+    // p_t s_t into the codes (docs/design.md §6) with unit-major accumulators 2.1-3.8 ms;
     // dequantize-then-axpy one token at a time 1.31 ms; the same with a 256-entry byte
     // lookup table 1.32 ms; blocks of TB=8 tokens (accumulators stay in registers) 0.96 ms.
     // With 3 query rows per kv head the fold saves ~1 FMA in 4 and cost vectorisation.
@@ -502,113 +465,3 @@ extern "C" int kvp_packed_attention(const Params* P, int kbits, int vbits) {
   run<KVP_KB, KVP_VB>(*P);
   return 0;
 }
-"""
-
-# NOTE: no -ffast-math: it implies -ffinite-math-only and the kernel relies on -inf for
-# hidden keys. Reassociation alone lets gcc vectorise the dot-product reductions.
-_FLAGS = [
-    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-    "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC", "-pthread",
-]
-
-
-class Params(ctypes.Structure):
-    """Mirror of the C ``Params`` struct (same field order)."""
-
-    _fields_ = [
-        (name, ctypes.c_int64)
-        for name in ("B", "Hkv", "rep", "Tq", "Dk", "Dv", "Tk", "Gk", "Gv", "chunk", "nthreads")
-    ] + [
-        ("q", ctypes.c_void_p),
-        ("kc", ctypes.c_void_p), ("kc_sb", ctypes.c_int64), ("kc_sh", ctypes.c_int64),
-        ("ks", ctypes.c_void_p), ("ks_sb", ctypes.c_int64), ("ks_sh", ctypes.c_int64),
-        ("kz", ctypes.c_void_p), ("kz_sb", ctypes.c_int64), ("kz_sh", ctypes.c_int64),
-        ("vc", ctypes.c_void_p), ("vc_sb", ctypes.c_int64), ("vc_sh", ctypes.c_int64),
-        ("vs", ctypes.c_void_p), ("vs_sb", ctypes.c_int64), ("vs_sh", ctypes.c_int64),
-        ("vz", ctypes.c_void_p), ("vz_sb", ctypes.c_int64), ("vz_sh", ctypes.c_int64),
-        ("mask", ctypes.c_void_p), ("m0", ctypes.c_int64), ("m1", ctypes.c_int64),
-        ("m2", ctypes.c_int64), ("m3", ctypes.c_int64),
-        ("kpos", ctypes.c_void_p), ("kpos_sb", ctypes.c_int64),
-        ("Tf", ctypes.c_int64),
-        ("fk", ctypes.c_void_p), ("fk_sb", ctypes.c_int64), ("fk_sh", ctypes.c_int64),
-        ("fv", ctypes.c_void_p), ("fv_sb", ctypes.c_int64), ("fv_sh", ctypes.c_int64),
-        ("fmask", ctypes.c_void_p), ("f0", ctypes.c_int64), ("f1", ctypes.c_int64),
-        ("f2", ctypes.c_int64), ("f3", ctypes.c_int64),
-        ("fpos", ctypes.c_void_p), ("fpos_sb", ctypes.c_int64),
-        ("cosc", ctypes.c_void_p), ("sinc", ctypes.c_void_p),
-        ("half", ctypes.c_int64), ("rope_style", ctypes.c_int64),
-        ("rope_rs", ctypes.c_int64),
-        ("sdt", ctypes.c_int64),
-        ("out", ctypes.c_void_p), ("lse", ctypes.c_void_p),
-    ]
-
-
-_lock = threading.Lock()
-_libs: dict[tuple[int, ...], ctypes.CDLL | None] = {}
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-_DEFINES = ("KVP_KB", "KVP_VB", "KVP_GK", "KVP_GV", "KVP_DK", "KVP_DV", "KVP_HALF", "KVP_SDT")
-
-
-def _build_dir(config: tuple[int, ...]) -> Path:
-    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + _cpu_flags()).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("KVPOLICY_CACHE_DIR", Path.home() / ".cache" / "kvpolicy"))
-    return root / "cpu_ext" / f"{key}-{'-'.join(map(str, config))}"
-
-
-def load(
-    kbits: int, vbits: int, gk: int, gv: int, dk: int, dv: int, half: int = 0, sdt: int = 0
-) -> ctypes.CDLL | None:
-    """The kernel library specialised for these bits, group sizes, head dims, rotary
-    half-width (0: no RoPE) and storage type of scales/zeros/fp tokens (0 fp32, 1 bf16,
-    2 fp16), built on first use (~1 s); None if it cannot be built (the caller then uses
-    the eager path; the reason is logged once). ``KVPOLICY_NO_CPP=1`` disables it.
-    """
-    if os.environ.get("KVPOLICY_NO_CPP", "") not in ("", "0"):
-        return None
-    key = (kbits, vbits, gk, gv, dk, dv, half, sdt)
-    if key in _libs:
-        return _libs[key]
-    with _lock:
-        if key not in _libs:
-            try:
-                _libs[key] = _load_or_build(key)
-            except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
-                _libs[key] = None
-                log.warning("kvpolicy CPU kernel unavailable (%s); using the eager torch path", e)
-    return _libs[key]
-
-
-def _load_or_build(config: tuple[int, ...]) -> ctypes.CDLL:
-    out = _build_dir(config)
-    so = out / "libkvpolicy_cpu.so"
-    if not so.exists():
-        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-        if cxx is None:
-            raise RuntimeError("no C++ compiler (g++) on PATH")
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out) as tmp:
-            src = Path(tmp) / "kernel.cpp"
-            src.write_text(_SOURCE)
-            tmp_so = Path(tmp) / "lib.so"
-            defines = [f"-D{n}={v}" for n, v in zip(_DEFINES, config, strict=True)]
-            cmd = [cxx, *_FLAGS, *defines, str(src), "-o", str(tmp_so)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if proc.returncode != 0:
-                raise RuntimeError(f"g++ failed: {proc.stderr[-2000:]}")
-            os.replace(tmp_so, so)  # atomic: concurrent builders never see a partial file
-        log.info("built the kvpolicy CPU kernel into %s", so)
-    lib = ctypes.CDLL(str(so))
-    lib.kvp_packed_attention.argtypes = [ctypes.POINTER(Params), ctypes.c_int, ctypes.c_int]
-    lib.kvp_packed_attention.restype = ctypes.c_int
-    return lib

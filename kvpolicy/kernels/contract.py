@@ -1,0 +1,162 @@
+"""The kernel contract: the functions every backend provides, as one record.
+
+A :class:`Backend` is filled in full by every backend (:data:`kvpolicy.kernels.reference.BACKEND`,
+:data:`kvpolicy.kernels.torch_backend.BACKEND`, :func:`kvpolicy.kernels.triton_backend.load`);
+where a backend has no kernel of its own for a piece, its record names the shared torch
+implementation explicitly. :func:`kvpolicy.kernels.backend.select` picks one record per
+device; the runtime calls only that record's functions (docs/design.md §6).
+
+Shapes and conventions are those of :mod:`kvpolicy.kernels.reference`: cached tensors
+``[B, Hkv, T, D]``, queries ``[B, Hq, Tq, D]`` with ``Hq % Hkv == 0``, additive fp32 masks
+(``-inf`` hides a key), and attention over one segment returns ``(out, lse)`` in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..errors import CacheError
+from .layout import Packed, QuantSpec, RotarySpec
+
+__all__ = [
+    "Backend",
+    "Quantize",
+    "Dequantize",
+    "AttentionPartial",
+    "PackedAttentionPartial",
+    "ApplyRope",
+    "MergePartials",
+    "DecodeAttention",
+    "compose_decode",
+]
+
+Partial = tuple[torch.Tensor, torch.Tensor]  # (out [B, Hq, Tq, Dv], lse [B, Hq, Tq]), fp32
+
+
+class Quantize(Protocol):
+    def __call__(
+        self, x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None
+    ) -> Packed: ...
+
+
+class Dequantize(Protocol):
+    def __call__(self, p: Packed, spec: QuantSpec, dtype: torch.dtype = ...) -> torch.Tensor: ...
+
+
+class AttentionPartial(Protocol):
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+        scale: float, mask: torch.Tensor | None = None,
+    ) -> Partial: ...
+
+
+class PackedAttentionPartial(Protocol):
+    def __call__(
+        self, q: torch.Tensor, k: Packed, v: Packed, k_spec: QuantSpec, v_spec: QuantSpec, *,
+        scale: float, mask: torch.Tensor | None = None, rope: RotarySpec | None = None,
+        k_positions: torch.Tensor | None = None,
+    ) -> Partial: ...
+
+
+ApplyRope = Callable[[torch.Tensor, torch.Tensor, RotarySpec], torch.Tensor]
+MergePartials = Callable[[Sequence[Partial]], Partial]
+
+
+class DecodeAttention(Protocol):
+    def __call__(
+        self, q: torch.Tensor, k: Packed | None, v: Packed | None, k_spec: QuantSpec,
+        v_spec: QuantSpec, fk: torch.Tensor | None, fv: torch.Tensor | None, *,
+        scale: float, mask: torch.Tensor | None = None, fp_mask: torch.Tensor | None = None,
+        rope: RotarySpec | None = None, k_positions: torch.Tensor | None = None,
+        fp_positions: torch.Tensor | None = None, check_positions: bool = True,
+    ) -> Partial: ...
+
+
+@dataclass(frozen=True, eq=False)
+class Backend:
+    """The kernels of one backend. Every field is set; signatures as in the reference.
+
+    Attributes:
+        name: ``"reference"``, ``"torch"`` or ``"triton"``.
+        quantize: ``(x [B,H,T,D], spec, dtype=None) -> Packed``, bit-identical across
+            backends.
+        dequantize: ``(Packed, spec, dtype=fp32) -> [B,H,T,D]`` (``code*scale + zero`` in fp32).
+        attention_partial: full-precision segment ``(q, k, v, *, scale, mask) -> (out, lse)``.
+        packed_attention_partial: one packed segment, keys rotated at ``k_positions`` when
+            ``rope`` is given ``-> (out, lse)``.
+        apply_rope: ``(x [B,H,T,D], positions [B,T], rope) -> x`` rotated, in ``x.dtype``.
+        merge_partials: ``[(out, lse), ...] -> (out, lse)``, the softmax over the union of
+            the segments (:func:`kvpolicy.kernels.reference.merge_partials_lse`).
+        decode_attention: one softmax over a packed segment ``k, v`` (or None) and a
+            full-precision segment ``fk, fv [B,Hkv,Tf,D]`` (or None; keys pre-RoPE at
+            ``fp_positions [B,Tf]`` when ``rope`` is set), with ``mask``/``fp_mask`` over
+            each segment's own keys ``-> (out, lse)``. ``check_positions=False``: the
+            caller has checked every position against the rotary table.
+    """
+
+    name: str
+    quantize: Quantize
+    dequantize: Dequantize
+    attention_partial: AttentionPartial
+    packed_attention_partial: PackedAttentionPartial
+    apply_rope: ApplyRope
+    merge_partials: MergePartials
+    decode_attention: DecodeAttention
+
+
+def compose_decode(
+    *,
+    packed_attention_partial: PackedAttentionPartial,
+    attention_partial: AttentionPartial,
+    apply_rope: ApplyRope,
+    merge_partials: MergePartials,
+) -> DecodeAttention:
+    """A ``decode_attention`` made of a backend's pieces: attend over each segment, merge.
+
+    The packed segment goes through ``packed_attention_partial`` (keys rotated inside);
+    full-precision keys are rotated by ``apply_rope`` in fp32 and attended by
+    ``attention_partial``; the two ``(out, lse)`` pairs are merged by ``merge_partials``.
+    ``check_positions`` is not forwarded: each piece checks positions itself.
+    """
+
+    def decode_attention(
+        q: torch.Tensor,
+        k: Packed | None,
+        v: Packed | None,
+        k_spec: QuantSpec,
+        v_spec: QuantSpec,
+        fk: torch.Tensor | None,
+        fv: torch.Tensor | None,
+        *,
+        scale: float,
+        mask: torch.Tensor | None = None,
+        fp_mask: torch.Tensor | None = None,
+        rope: RotarySpec | None = None,
+        k_positions: torch.Tensor | None = None,
+        fp_positions: torch.Tensor | None = None,
+        check_positions: bool = True,
+    ) -> Partial:
+        """``Backend.decode_attention``, segment by segment (see :func:`compose_decode`)."""
+        parts: list[Partial] = []
+        if k is not None and v is not None:
+            kpos = None if rope is None or k_positions is None else k_positions.long()
+            parts.append(
+                packed_attention_partial(
+                    q, k, v, k_spec, v_spec, scale=scale, mask=mask, rope=rope, k_positions=kpos
+                )
+            )
+        if fk is not None and fv is not None:
+            if rope is not None:
+                if fp_positions is None:
+                    raise CacheError("pre-RoPE full-precision keys need fp_positions [B, Tf]")
+                fk = apply_rope(fk.float(), fp_positions.long(), rope)
+            parts.append(attention_partial(q, fk, fv, scale=scale, mask=fp_mask))
+        if not parts:
+            raise CacheError("decode_attention needs a packed or a full-precision segment")
+        return parts[0] if len(parts) == 1 else merge_partials(parts)
+
+    return decode_attention
