@@ -1,9 +1,11 @@
 """Facts the graph analysis establishes about each cached tensor.
 
-These records are the contract between *analyse* (``kvpolicy.passes``) and *derive*
-(``kvpolicy.policy``): the analysis writes them, the policy derivation reads them, and
-nothing downstream looks at the graph again. They are plain frozen dataclasses so that
-they can live in ``node.meta["kvpolicy.*"]`` and be shared by every layer of one kind.
+These records are the contract between *analyse* (``kvpolicy.analysis``) and *derive*
+(``kvpolicy.policy``), docs/design.md §4: the analysis returns them (``LayerFacts`` per
+layer, in ``ModelAnalysis.layers``), the policy derivation reads them, and derivation never
+looks at the graph. They are plain frozen dataclasses, shared by every layer of one kind.
+(The graph-bound match records the rewrite reads live in ``node.meta``; see
+``analysis.analyse``.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Find a rotary embedding on the key path and the pre-RoPE point in front of it.
+"""Find a rotary embedding on the key path and the pre-RoPE point in front of it
+(docs/design.md §2).
 
 A rotation is recognised by what it does, not by a name: starting from the key as the
 attention consumer reads it, the pass collects the key-dependent nodes up to the nearest
@@ -19,14 +20,25 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import networkx as nx
 import torch
 from torch import fx
 
 from ..errors import AnalysisError
-from ..facts import RopeFacts, RopeStyle
-from .contraction import LAYOUT_OPS, _expr, _shape, op_name, reach
+from .facts import RopeFacts, RopeStyle
+from .fx_graph import (
+    LAYOUT_OPS,
+    dominators,
+    fx_digraph,
+    in_graph_order,
+    is_tensor,
+    op_name,
+    restrict,
+    shape_of,
+    sym_expr,
+)
 
-__all__ = ["RopeMatch", "find_rope", "key_dependent_nodes"]
+__all__ = ["RopeMatch", "find_rope", "key_dependent_nodes", "precedes_projection"]
 
 log = logging.getLogger(__name__)
 
@@ -44,52 +56,25 @@ class RopeMatch:
     pre_rope: fx.Node  # the key right before the rotation
     token_dim: int  # of pre_rope
     channel_dim: int  # of pre_rope (the last dim: RoPE rotates the innermost dim)
-    region: tuple[str, ...]  # names of the nodes that make up the rotation
+    region: tuple[str, ...]  # names of the nodes that make up the rotation, in graph order
     # The position tensors as the rotation multiplies them (broadcast against the key):
     # cos (or the complex freqs_cis) and sin (None for the complex style).
     cos_node: fx.Node | None = None
     sin_node: fx.Node | None = None
 
 
-def key_dependent_nodes(gm: fx.GraphModule, parameter_names: set[str]) -> set[fx.Node]:
-    """Nodes with a model parameter among their ancestors (graph order = topological)."""
-    dep: set[fx.Node] = set()
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            if node.name in parameter_names:
-                dep.add(node)
-        elif any(a in dep for a in node.all_input_nodes):
-            dep.add(node)
-    return dep
+def key_dependent_nodes(g: nx.DiGraph, parameter_names: set[str]) -> set[fx.Node]:
+    """Nodes of the graph view ``g`` (``fx_graph.fx_digraph``) with a model parameter
+    among their ancestors, the parameters included."""
+    params = [n for n in g if n.op == "placeholder" and n.name in parameter_names]
+    return set(params).union(*(nx.descendants(g, p) for p in params))
 
 
-def _walk_up(node: fx.Node, keep) -> list[fx.Node]:
-    """``node`` and every ancestor reachable through inputs for which ``keep(input)``."""
-    return reach(node, lambda n: [a for a in n.all_input_nodes if keep(a)])
-
-
-def _ancestors_within(node: fx.Node, allowed: set[fx.Node]) -> list[fx.Node]:
-    return _walk_up(node, allowed.__contains__)
-
-
-def _dominates(d: fx.Node, x: fx.Node, dep: set[fx.Node]) -> bool:
-    """Every key-dependent path into ``x`` from a parameter passes through ``d``."""
-    stack, seen = [x], set()
-    while stack:
-        n = stack.pop()
-        if n is d or n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            return False  # reached a parameter without passing d
-        stack.extend(a for a in n.all_input_nodes if a in dep)
-    return True
-
-
-def _placeholder_sources(node: fx.Node, names: dict[str, str]) -> list[str]:
+def _placeholder_sources(g: nx.DiGraph, node: fx.Node, names: dict[str, str]) -> list[str]:
     """Names (input paths / buffer names) of the placeholders a position tensor comes from."""
     # Only tensor inputs: sym_size nodes would drag in every input sharing a dim size.
-    found = _walk_up(node, lambda a: isinstance(a.meta.get("val"), torch.Tensor))
+    tensors = restrict(g, lambda n: n is node or is_tensor(n))
+    found = nx.ancestors(tensors, node) | {node}
     return sorted({names.get(n.name, n.name) for n in found if n.op == "placeholder"})
 
 
@@ -111,10 +96,19 @@ def find_rope(
         parameter_names: placeholder names of the block's parameters.
         placeholder_names: placeholder name -> readable source ("kwargs['position_embeddings'][0]").
     """
-    dep = key_dependent_nodes(gm, parameter_names)
+    g = fx_digraph(gm.graph)
+    dep = key_dependent_nodes(g, parameter_names)
     if key_end not in dep:
         return None
-    region = _ancestors_within(key_end, dep)
+    # The key-dependent part of the graph, built once rather than a filtered view: the
+    # walks below run on it a few times per position multiplication.
+    # NOTE: find_rope on tiny Llama (CPU) takes 0.9 ms this way, 1.07 ms with a view.
+    kdep = fx_digraph(gm.graph, keep=dep.__contains__)
+
+    def down(n: fx.Node) -> set[fx.Node]:  # n and its key-dependent descendants
+        return nx.descendants(kdep, n) | {n}
+
+    region = in_graph_order(g, nx.ancestors(kdep, key_end) | {key_end})
     pos_muls = [
         n for n in region
         if op_name(n) == "mul" and sum(a in dep for a in n.all_input_nodes) == 1
@@ -123,27 +117,29 @@ def find_rope(
     if not pos_muls:
         log.debug("no multiplication by a position tensor on the key path; no RoPE")
         return None
-    # The nearest dominator of key_end above every position multiplication.
-    below = set()
-    for m in pos_muls:
-        below |= {n for n in region if n is m or _is_ancestor(m, n, dep)}
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    cands = sorted((n for n in region if n not in below), key=order.__getitem__, reverse=True)
+    # The nearest dominator of key_end above every position multiplication: a node every
+    # key-dependent path from a parameter into key_end passes through.
+    below = set().union(*(down(m) for m in pos_muls))
+    cands = in_graph_order(g, (n for n in region if n not in below), reverse=True)
+    params = [n for n in dep if n.op == "placeholder"]
+    doms = dominators(kdep, params, key_end)
+
     def whole_key(d: fx.Node) -> bool:
         # A tensor that still holds whole keys: head_dim innermost, the token dim present.
-        shape = _shape(d)
+        shape = shape_of(d)
         return (
-            bool(shape) and _expr(shape[-1]) == head_dim
-            and any(_expr(x) == _expr(token_size) for x in shape)
+            bool(shape) and sym_expr(shape[-1]) == head_dim
+            and any(sym_expr(x) == sym_expr(token_size) for x in shape)
         )
 
-    pre = next((d for d in cands if whole_key(d) and _dominates(d, key_end, dep)), None)
+    pre = next((d for d in cands if whole_key(d) and d in doms), None)
     if pre is None:
         raise AnalysisError(
             f"the key path into {key_end.format_node()} multiplies by position tensors but "
             "has no single tensor in front of the rotation"
         )
-    rotation = [n for n in region if _is_ancestor(pre, n, dep) and n is not pre]
+    after_pre = down(pre)
+    rotation = [n for n in region if n in after_pre and n is not pre]
     names = {op_name(n) for n in rotation}
     if not names <= _ROPE_OPS:
         log.debug("key path region has non-rotation ops %s; not RoPE", sorted(names - _ROPE_OPS))
@@ -160,8 +156,8 @@ def find_rope(
     else:
         log.debug("position multiplications without a recognisable channel pairing; not RoPE")
         return None
-    widths = {int(_shape(m)[-1]) for m in pos_muls if not _is_complex(m)}
-    cwidths = {2 * int(_shape(m)[-1]) for m in pos_muls if _is_complex(m)}
+    widths = {int(shape_of(m)[-1]) for m in pos_muls if not _is_complex(m)}
+    cwidths = {2 * int(shape_of(m)[-1]) for m in pos_muls if _is_complex(m)}
     widths |= cwidths
     if len(widths) != 1:
         raise AnalysisError(
@@ -169,13 +165,13 @@ def find_rope(
             f"places; expected one rotary width (at {key_end.format_node()})"
         )
     rotary_dim = widths.pop()
-    pre_shape = _shape(pre)
-    if int(_expr(pre_shape[-1])) != head_dim:
+    pre_shape = shape_of(pre)
+    if int(sym_expr(pre_shape[-1])) != head_dim:
         raise AnalysisError(
             f"the key in front of the rotation {pre.format_node()} has last dim "
             f"{pre_shape[-1]}, expected head_dim={head_dim}"
         )
-    tok = [d for d, s in enumerate(pre_shape) if _expr(s) == _expr(token_size)]
+    tok = [d for d, s in enumerate(pre_shape) if sym_expr(s) == sym_expr(token_size)]
     if len(tok) != 1:
         raise AnalysisError(
             f"cannot locate the token dim (size {token_size}) in the pre-RoPE key "
@@ -187,9 +183,13 @@ def find_rope(
     for m in pos_muls:
         key_in = next(a for a in m.all_input_nodes if a in dep)
         pos_in = next(a for a in m.all_input_nodes if a not in dep)
-        src = ", ".join(_placeholder_sources(pos_in, placeholder_names)) or "<constant>"
-        rotated = any(op_name(n) in ("neg", "cat", "stack") for n in _ancestors_within(key_in, dep)
-                      if _is_ancestor(pre, n, dep) or n is key_in)
+        src = ", ".join(_placeholder_sources(g, pos_in, placeholder_names)) or "<constant>"
+        # Does the key reach this multiplication through the rotated copy (neg/cat/stack
+        # after the pre-RoPE node)?
+        rotated = any(
+            op_name(n) in ("neg", "cat", "stack")
+            for n in nx.ancestors(kdep, key_in) | {key_in} if n in after_pre or n is key_in
+        )
         if style is RopeStyle.COMPLEX:
             cos_src, cos_node = src, pos_in
         elif rotated:
@@ -225,17 +225,14 @@ def _is_complex(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.is_complex()
 
 
-def _is_ancestor(a: fx.Node, n: fx.Node, dep: set[fx.Node]) -> bool:
-    """``a`` is a (key-dependent) ancestor of ``n``."""
-    return a in _ancestors_within(n, dep)
-
-
 def precedes_projection(node: fx.Node) -> tuple[bool, str]:
     """Walk up through layout ops: is the first computing op a projection?
 
     Returns ``(True, op)`` for a projection (linear/addmm/...), ``(False, op)`` when some
     other op (a per-head key norm, Qwen3/OLMo2) sits between the projection and ``node``.
     """
+    # A walk along one argument (the data input of each layout op), not a reachability
+    # question: it stays hand-written.
     n = node
     while n.op == "call_function" and op_name(n) in LAYOUT_OPS:
         n = n.args[0] if op_name(n) != "getitem" else n.args[0].args[0]

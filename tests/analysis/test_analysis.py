@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpolicy import AnalysisError, analyse_model, derive_policy
-from kvpolicy.facts import Contracted, RopeStyle
-from kvpolicy.testing import TINY_ARCHITECTURES, GptFast, NanoGPT, tiny_model
+from kvpolicy.analysis.facts import Contracted, RopeStyle
+from kvpolicy.zoo.tiny import TINY_ARCHITECTURES, GptFast, NanoGPT, tiny_model
 
 # What each architecture's key path holds. Derived from the architectures' papers and
 # code, independent of the analysis: (RoPE style or None, rotary_dim, per-head key norm).

@@ -4,7 +4,8 @@ import sympy
 import torch
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from kvpolicy.passes.contraction import _reshape_map, is_symbolic
+from kvpolicy.analysis.contraction import _reshape_map
+from kvpolicy.analysis.fx_graph import is_symbolic
 
 
 def _sym(env: ShapeEnv, name: str, hint: int) -> torch.SymInt:

@@ -10,42 +10,43 @@ which dim of that tensor the consumer sums over.
 
 Whether that dim is tokens or channels is read from the *symbolic shape*: the token dim is
 dynamic (a sympy symbol under ``torch.export`` with a dynamic sequence length), the
-channel dim is a static integer. Tensor, module and parameter names are never consulted.
+channel dim is a static integer. Tensor, module and parameter names are never consulted
+(docs/design.md §1).
 """
 
 from __future__ import annotations
 
 import logging
-import operator
 from dataclasses import dataclass
 
+import networkx as nx
 import sympy
-import torch
 from torch import fx
 
 from ..errors import AnalysisError
-from ..facts import Contracted
+from .facts import Contracted
+from .fx_graph import (
+    LAYOUT_OPS,
+    fx_digraph,
+    in_graph_order,
+    is_symbolic,
+    is_tensor,
+    op_name,
+    restrict,
+    shape_of,
+    sym_expr,
+)
 
 __all__ = [
     "Consumer",
     "CachePoint",
+    "describe_contraction",
     "find_consumers",
     "walk_to_cache_point",
-    "is_symbolic",
-    "op_name",
-    "reach",
-    "LAYOUT_OPS",
 ]
 
 log = logging.getLogger(__name__)
 
-# Ops that move or copy elements without mixing them: the walk passes through these.
-LAYOUT_OPS = frozenset({
-    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "unsqueeze",
-    "squeeze", "contiguous", "clone", "_to_copy", "to", "alias", "detach", "slice", "split",
-    "split_with_sizes", "chunk", "unbind", "getitem", "repeat_interleave", "repeat",
-    "index_put", "index_put_", "flatten", "unflatten", "type_as", "lift_fresh_copy",
-})
 _MATMULS = frozenset({"matmul", "bmm", "einsum", "mm", "baddbmm"})
 _SOFTMAX = frozenset({"softmax", "_softmax", "_safe_softmax"})
 _SDPA = frozenset({
@@ -61,32 +62,6 @@ _ELEMENTWISE = frozenset({
     "mul", "div", "add", "sub", "masked_fill", "where", "_to_copy", "to", "dropout",
     "native_dropout", "clone", "contiguous", "type_as", "tanh", "alias", "getitem",
 })
-
-
-def op_name(node: fx.Node) -> str:
-    """The ATen op name of a call_function node (``"view"``), ``"getitem"`` etc."""
-    if node.op != "call_function":
-        return node.op
-    if node.target is operator.getitem:
-        return "getitem"
-    name = getattr(node.target, "_opname", None) or getattr(node.target, "__name__", "")
-    return name.rstrip("_") if name.endswith("_") and name not in ("index_put_",) else name
-
-
-def _shape(node: fx.Node) -> tuple:
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        raise AnalysisError(f"node {node.format_node()} carries no tensor metadata")
-    return tuple(val.shape)
-
-
-def _expr(size) -> sympy.Expr:
-    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
-
-
-def is_symbolic(size) -> bool:
-    """True when a size is a dynamic (symbolic) dimension, e.g. the sequence length."""
-    return bool(_expr(size).free_symbols)
 
 
 def _norm_dim(d: int, rank: int) -> int:
@@ -135,7 +110,7 @@ def _einsum_labels(node: fx.Node) -> tuple[list[str], str, list[fx.Node]]:
         return ins, out, operands
     # matmul / bmm: batch dims broadcast, contract a's last with b's second to last.
     a, b = node.args[0], node.args[1]
-    ra, rb = len(_shape(a)), len(_shape(b))
+    ra, rb = len(shape_of(a)), len(shape_of(b))
     if ra < 2 or rb < 2:
         raise AnalysisError(f"matmul with a vector operand is not attention: {node.format_node()}")
     nb = max(ra, rb) - 2
@@ -145,37 +120,28 @@ def _einsum_labels(node: fx.Node) -> tuple[list[str], str, list[fx.Node]]:
     return [la, lb], batch + "ik", [a, b]
 
 
-def reach(node: fx.Node, step) -> list[fx.Node]:
-    """``node`` and every node reachable from it by ``step(n) -> iterable of nodes``."""
-    out, frontier, seen = [], [node], set()
-    while frontier:
-        n = frontier.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        out.append(n)
-        frontier.extend(step(n))
-    return out
+def _through(
+    g: nx.DiGraph, node: fx.Node, allowed: frozenset[str], direction: str
+) -> list[fx.Node]:
+    """``node`` and the nodes reached from it through ``allowed`` ops (following users or
+    inputs), nearest first: graph order going down, reverse graph order going up."""
+
+    def keep(n: fx.Node) -> bool:
+        return n is node or (n.op == "call_function" and op_name(n) in allowed)
+
+    view = restrict(g, keep)
+    found = nx.descendants(view, node) if direction == "down" else nx.ancestors(view, node)
+    return [node, *in_graph_order(g, found, reverse=direction == "up")]
 
 
-def _through(node: fx.Node, allowed: frozenset[str], direction: str) -> list[fx.Node]:
-    """Nodes reached from ``node`` through ``allowed`` ops (following users or inputs)."""
-
-    def step(n: fx.Node):
-        nxt = n.users if direction == "down" else n.all_input_nodes
-        return [m for m in nxt if m.op == "call_function" and op_name(m) in allowed]
-
-    return reach(node, step)
-
-
-def _matmul_consumer(softmax: fx.Node) -> Consumer | None:
-    rank = len(_shape(softmax))
+def _matmul_consumer(g: nx.DiGraph, softmax: fx.Node) -> Consumer | None:
+    rank = len(shape_of(softmax))
     sm_dim = _norm_dim(int(softmax.args[1]), rank)
     # scores: the contraction feeding the softmax through elementwise ops
-    ups = _through(softmax.args[0], _ELEMENTWISE | LAYOUT_OPS, "up")
+    ups = _through(g, softmax.args[0], _ELEMENTWISE | LAYOUT_OPS, "up")
     scores = [a for n in ups for a in [n, *n.all_input_nodes] if op_name(a) in _MATMULS]
     # probabilities: the contraction reading the softmax output through elementwise ops
-    downs = _through(softmax, _ELEMENTWISE | LAYOUT_OPS, "down")
+    downs = _through(g, softmax, _ELEMENTWISE | LAYOUT_OPS, "down")
     pv = [u for n in downs for u in n.users if op_name(u) in _MATMULS]
     if not scores or not pv:
         log.debug("softmax %s is not between two contractions; skipped", softmax.name)
@@ -227,6 +193,7 @@ def _matmul_consumer(softmax: fx.Node) -> Consumer | None:
 def find_consumers(gm: fx.GraphModule) -> list[Consumer]:
     """Every attention consumer of the graph, in graph order."""
     found: list[Consumer] = []
+    g: nx.DiGraph | None = None  # built on the first softmax: SDPA blocks need no walk
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -235,11 +202,12 @@ def find_consumers(gm: fx.GraphModule) -> list[Consumer]:
             q, k, v = node.args[:3]
             found.append(Consumer(
                 node=node, kind="scaled_dot_product_attention", query=q, key=k, value=v,
-                key_channel_dim=len(_shape(k)) - 1, key_token_dim=len(_shape(k)) - 2,
-                value_token_dim=len(_shape(v)) - 2, value_channel_dim=len(_shape(v)) - 1,
+                key_channel_dim=len(shape_of(k)) - 1, key_token_dim=len(shape_of(k)) - 2,
+                value_token_dim=len(shape_of(v)) - 2, value_channel_dim=len(shape_of(v)) - 1,
             ))
         elif name in _SOFTMAX:
-            c = _matmul_consumer(node)
+            g = g if g is not None else fx_digraph(gm.graph)
+            c = _matmul_consumer(g, node)
             if c is not None:
                 found.append(c)
     return found
@@ -302,7 +270,7 @@ def _reshape_map(in_shape: tuple, out_shape: tuple, out_dim: int) -> int | None:
     exactly); an output dim maps back only when it is alone in its group, ignoring
     size-1 dims. A split (``[B, T, H*D] -> [B, T, H, D]``) or merge maps to None.
     """
-    sides = ([_expr(x) for x in in_shape], [_expr(x) for x in out_shape])
+    sides = ([sym_expr(x) for x in in_shape], [sym_expr(x) for x in out_shape])
     pos = [0, 0]  # next unconsumed dim of each side
 
     def take(side: int, group: list[int], prod: sympy.Expr) -> sympy.Expr:
@@ -348,14 +316,14 @@ def _step_back(node: fx.Node, dims: dict[str, int | None]) -> tuple[fx.Node, dic
     """One layout op back: the input node and where the tracked dims are in it."""
     name = op_name(node)
     args = node.args
-    out_rank = len(_shape(node))
+    out_rank = len(shape_of(node))
 
     def moved(fn):
         return {k: (None if v is None else fn(v)) for k, v in dims.items()}
 
     if name in ("view", "_unsafe_view", "reshape", "flatten", "unflatten"):
         src = args[0]
-        return src, moved(lambda d: _reshape_map(_shape(src), _shape(node), d))
+        return src, moved(lambda d: _reshape_map(shape_of(src), shape_of(node), d))
     if name in ("transpose",):
         a, b = (_norm_dim(int(x), out_rank) for x in args[1:3])
         return args[0], moved(lambda d: b if d == a else a if d == b else d)
@@ -369,20 +337,20 @@ def _step_back(node: fx.Node, dims: dict[str, int | None]) -> tuple[fx.Node, dic
         return args[0], moved(lambda d: None if d == u else d - (d > u))
     if name == "squeeze":
         src = args[0]
-        in_shape = _shape(src)
+        in_shape = shape_of(src)
         if len(args) > 1:
             given = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
             sq = [_norm_dim(int(x), len(in_shape)) for x in given]
         else:
-            sq = [i for i, s in enumerate(in_shape) if _expr(s) == 1]
-        sq = [i for i in sq if _expr(in_shape[i]) == 1]
+            sq = [i for i, s in enumerate(in_shape) if sym_expr(s) == 1]
+        sq = [i for i in sq if sym_expr(in_shape[i]) == 1]
         keep = [i for i in range(len(in_shape)) if i not in sq]
         return src, moved(lambda d: keep[d])
     if name in ("expand", "contiguous", "clone", "_to_copy", "to", "alias", "detach",
                 "type_as", "lift_fresh_copy", "slice", "repeat"):
         src = args[0]
-        if len(_shape(src)) != out_rank:  # expand may add leading dims
-            extra = out_rank - len(_shape(src))
+        if len(shape_of(src)) != out_rank:  # expand may add leading dims
+            extra = out_rank - len(shape_of(src))
             return src, moved(lambda d: None if d < extra else d - extra)
         return src, dict(dims)
     if name == "repeat_interleave":
@@ -393,14 +361,15 @@ def _step_back(node: fx.Node, dims: dict[str, int | None]) -> tuple[fx.Node, dic
         if pname in ("split", "split_with_sizes", "chunk", "unbind"):
             src = parent.args[0]
             if pname == "unbind":
-                ud = _norm_dim(int(parent.args[1]) if len(parent.args) > 1 else 0, len(_shape(src)))
+                ud = int(parent.args[1]) if len(parent.args) > 1 else 0
+                ud = _norm_dim(ud, len(shape_of(src)))
                 return src, moved(lambda d: d + (d >= ud))
             return src, dict(dims)
         return None
     if name in ("index_put", "index_put_"):
         # Writing new keys into a preallocated buffer: follow the written values.
         values = args[2]
-        if len(_shape(values)) != out_rank:
+        if len(shape_of(values)) != out_rank:
             return None
         return values, dict(dims)
     return None
@@ -409,10 +378,13 @@ def _step_back(node: fx.Node, dims: dict[str, int | None]) -> tuple[fx.Node, dic
 def _buffer_write(node: fx.Node) -> fx.Node | None:
     """For a buffer the block writes new keys into in place (a cache it preallocates,
     gpt-fast style), the tensor written; else None."""
-    if node.op != "placeholder" or not isinstance(node.meta.get("val"), torch.Tensor):
+    if node.op != "placeholder" or not is_tensor(node):
         return None
-    rank = len(_shape(node))
+    rank = len(shape_of(node))
     # The write may go through a view of the buffer (``cache[:B, :, pos] = k``).
+    # Kept hand-written: the alias closure is one or two users of a single placeholder,
+    # walked only for placeholders on an operand's path, where the caller has no graph
+    # view at hand; building one for the whole graph would cost more than the walk.
     aliases, frontier = {node}, [node]
     while frontier:
         for user in frontier.pop().users:
@@ -424,7 +396,7 @@ def _buffer_write(node: fx.Node) -> fx.Node | None:
             name = op_name(user)
             if name in ("index_put", "index_put_", "copy") and user.args[0] is alias:
                 values = user.args[1] if name == "copy" else user.args[2]
-                if isinstance(values, fx.Node) and len(_shape(values)) == rank:
+                if isinstance(values, fx.Node) and len(shape_of(values)) == rank:
                     return values
     return None
 
@@ -436,12 +408,12 @@ def _is_source_op(node: fx.Node) -> bool:
 def _numel(shape: tuple) -> sympy.Expr:
     n = sympy.Integer(1)
     for s in shape:
-        n *= _expr(s)
+        n *= sym_expr(s)
     return n
 
 
 def _hinted_numel(node: fx.Node) -> float:
-    e = _numel(_shape(node))
+    e = _numel(shape_of(node))
     return float(e.subs({s: 1_000_003 for s in e.free_symbols}))
 
 
@@ -482,7 +454,7 @@ def walk_to_cache_point(operand: fx.Node, contracted_dim: int, free_dim: int) ->
     # reads a preallocated buffer of static length), only such nodes qualify.
     dynamic = [
         (n, d) for n, d in candidates
-        if is_symbolic(_shape(n)[d["contracted"]]) != is_symbolic(_shape(n)[d["free"]])
+        if is_symbolic(shape_of(n)[d["contracted"]]) != is_symbolic(shape_of(n)[d["free"]])
     ]
     candidates = dynamic or candidates
     # Of the nodes that hold each element once, the one furthest from the consumer: the
@@ -491,7 +463,7 @@ def walk_to_cache_point(operand: fx.Node, contracted_dim: int, free_dim: int) ->
     node, dims = [(n, d) for n, d in candidates if _hinted_numel(n) == smallest][-1]
     return CachePoint(
         node=node, contracted_dim=dims["contracted"], free_dim=dims["free"],
-        shape=_shape(node), chain=tuple(n.name for n, _ in chain),
+        shape=shape_of(node), chain=tuple(n.name for n, _ in chain),
     )
 
 

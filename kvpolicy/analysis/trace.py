@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+from transformers.cache_utils import Cache
 
 from ..errors import AnalysisError
 
@@ -79,20 +80,9 @@ class TracedBlock:
         return self.exported.graph_module
 
 
-_CACHE_TYPES: tuple[type, ...] | None = None
-
-
-def _is_cache_object(x: Any) -> bool:
+def is_cache_object(x: Any) -> bool:
     """A transformers ``Cache`` (dropped from traced calls: the block is traced pastless)."""
-    global _CACHE_TYPES
-    if _CACHE_TYPES is None:
-        try:
-            from transformers.cache_utils import Cache
-        except ImportError:  # transformers is an optional extra
-            _CACHE_TYPES = ()
-        else:
-            _CACHE_TYPES = (Cache,)
-    return bool(_CACHE_TYPES) and isinstance(x, _CACHE_TYPES)
+    return isinstance(x, Cache)
 
 
 def _fname(func) -> str:
@@ -206,7 +196,7 @@ def block_kind(call: AttentionCall) -> str:
     mod = call.module
     params = tuple((tuple(p.shape), str(p.dtype)) for p in mod.parameters())
     flat, spec = pytree.tree_flatten((call.args, call.kwargs))
-    args_sig = tuple(_signature(x) for x in flat if not _is_cache_object(x))
+    args_sig = tuple(_signature(x) for x in flat if not is_cache_object(x))
     return f"{type(mod).__qualname__}#{abs(hash((params, args_sig, str(spec)))) % 10**8:08d}"
 
 
@@ -280,9 +270,9 @@ def trace_block(
     from torch.export import Dim
 
     def drop_cache(x):
-        return None if _is_cache_object(x) else x
+        return None if is_cache_object(x) else x
 
-    args, kwargs = pytree.tree_map(drop_cache, (call.args, call.kwargs), is_leaf=_is_cache_object)
+    args, kwargs = pytree.tree_map(drop_cache, (call.args, call.kwargs), is_leaf=is_cache_object)
     leaves, spec = pytree.tree_flatten_with_path((args, kwargs))
     flat = [v for _, v in leaves]
     slots = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
