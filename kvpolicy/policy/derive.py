@@ -1,0 +1,272 @@
+"""Derivation: ``build_policy(facts, spec)`` turns the analysis facts into a ``ModelPolicy``.
+
+Each tensor's policy is derived from the facts of ``kvpolicy.analysis`` (docs/design.md
+§1–§2), then the overrides apply in order. A value that differs from what was derived is
+kept, marked ``overridden`` and explained in the tensor's reason. Nothing falls back
+silently: the one fallback, a smaller per-token group where the built-in group size does
+not divide head_dim, is written in the tensor's reason. A conflict is blamed on the rule
+(or the defaults) that set the offending value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..analysis.facts import Contracted, LayerFacts, TensorFacts
+from ..errors import PolicyError
+from .messages import show
+from .rules import (
+    BUDGET_WIDTHS,
+    FULL_PRECISION,
+    Axis,
+    TensorKind,
+    fallback_group_size,
+    is_budget,
+)
+from .schema import ModelPolicy, TensorPolicy
+from .spec import Defaults, PolicySpec
+
+# A contracted axis gets its own scale per index; groups form along the free axis.
+_AXIS_OF: dict[Contracted, Axis] = {Contracted.CHANNEL: Axis.CHANNEL, Contracted.TOKEN: Axis.TOKEN}
+# How the attention consumes each tensor, for reasons a user reads.
+_CONSUMER: dict[TensorKind, str] = {TensorKind.KEY: "q·kᵀ", TensorKind.VALUE: "softmax·V"}
+
+_ANALYSIS, _DEFAULTS = -2, -1  # origins of a value; rules are 0, 1, ... (later wins)
+
+
+def _sets(origin: int) -> str:
+    return "the defaults set" if origin == _DEFAULTS else f"rule {origin + 1} sets"
+
+
+def _where(origin: int) -> str:
+    if origin == _ANALYSIS:
+        return "analysis"
+    return "defaults" if origin == _DEFAULTS else f"rule {origin + 1}"
+
+
+def _groups(axis: Axis, group_size: int) -> str:
+    if axis is Axis.CHANNEL:
+        return f"each channel gets its own scale (groups of {group_size} tokens)"
+    return f"each token gets its own scale (groups of {group_size} channels)"
+
+
+def _rope_text(facts: TensorFacts) -> tuple[str | None, str | None, int | None, str]:
+    """(short rope text, style, rotary_dim, phrase for reasons)."""
+    rope = facts.rope
+    if rope is None:
+        return None, None, None, ""
+    style = rope.style.value
+    phrase = f"{style} RoPE"
+    if rope.partial:
+        phrase += f" on {rope.rotary_dim} of {rope.head_dim} channels"
+    return f"{style} {rope.rotary_dim}/{rope.head_dim}", style, rope.rotary_dim, phrase
+
+
+def _reason(
+    kind: TensorKind,
+    facts: TensorFacts,
+    values: Mapping[str, Any],
+    origins: Mapping[str, int],
+    derived_axis: Axis,
+    derived_pre_rope: bool,
+    defaults: Defaults,
+    fallback_from: int | None = None,
+) -> str:
+    op = _CONSUMER[kind]
+    summed = "channels" if facts.contracted is Contracted.CHANNEL else "tokens"
+    axis, group_size = values["axis"], values["group_size"]
+    parts: list[str] = []
+    if values["bits"] == FULL_PRECISION:
+        parts.append(f"kept in full precision, so no scales or groups ({op} sums over {summed})")
+    elif axis is derived_axis:
+        parts.append(f"{op} sums over {summed}, so {_groups(axis, group_size)}")
+    else:
+        parts.append(
+            f"{op} sums over {summed}, so per-{derived_axis.value} scales were derived, but "
+            f"{_sets(origins['axis'])} axis {axis.value}: {_groups(axis, group_size)}"
+        )
+    if kind is TensorKind.KEY:
+        phrase = _rope_text(facts)[3]
+        stored = "cached" if values["bits"] == FULL_PRECISION else "quantized"
+        if facts.rope is None:
+            parts.append(
+                "no RoPE on the key path (learned, absolute or no positions): nothing to move"
+            )
+        elif values["pre_rope"]:
+            parts.append(
+                f"{stored} before {phrase}, which smears outlier channels; RoPE is re-applied "
+                "inside attention"
+            )
+        elif derived_pre_rope:
+            parts.append(
+                f"{stored} after {phrase} because {_sets(origins['pre_rope'])} pre_rope "
+                "false; pre-RoPE was derived, since the rotation smears outlier channels"
+            )
+    if fallback_from is not None:
+        parts.append(
+            f"group {group_size}: the default {fallback_from} does not divide "
+            f"head_dim={facts.head_dim}, {group_size} is the largest byte-aligned size under "
+            f"{fallback_from} that does"
+        )
+    changed = [
+        f"{_sets(origins[f])} {f} {values[f]} (defaults: {getattr(defaults, f)})"
+        for f in ("bits", "group_size", "residual", "sinks")
+        if origins[f] >= 0 and values[f] != getattr(defaults, f)
+    ]
+    if changed:
+        parts.append(", ".join(changed))
+    return "; ".join(parts)
+
+
+def build_policy(
+    facts: Sequence[LayerFacts], spec: PolicySpec, model_name: str = ""
+) -> ModelPolicy:
+    """Derive every tensor's policy from the analysis facts, then apply ``spec``.
+
+    Derivation (docs/design.md §1–§2): the contracted axis gets its own scales
+    (``Contracted.CHANNEL`` -> ``Axis.CHANNEL``, ``Contracted.TOKEN`` -> ``Axis.TOKEN``);
+    keys are cached before RoPE where the key path has one and ``defaults.pre_rope``;
+    values never. Overrides apply in order; a value differing from the derived one (axis,
+    pre-RoPE) or from the defaults (bits, group_size, residual, sinks) marks the tensor
+    ``overridden`` and its reason says what was derived and who changed it.
+
+    Raises:
+        PolicyError: a rule names a layer the model does not have, or the result breaks a
+            constraint (message: source, ``defaults``/``rule N``, field, layer and tensor).
+    """
+    if not facts:
+        raise PolicyError(f"{spec.source}: the model has no attention layers to build a policy for")
+    ordered = sorted(facts, key=lambda f: f.layer)
+    layer_ids = [f.layer for f in ordered]
+    if len(set(layer_ids)) != len(layer_ids):
+        raise ValueError(f"duplicate layer indices in the analysis facts: {layer_ids}")
+
+    selections: list[set[int]] = []
+    for i, rule in enumerate(spec.overrides):
+        try:
+            selections.append(set(rule.select(layer_ids)))
+        except ValueError as exc:
+            raise PolicyError(f"{spec.source}, rule {i + 1}, field 'layers': {exc}") from None
+
+    d = spec.defaults
+    # A budget's tensors start at the widest width within it; kvpolicy.calibrate.budget
+    # reallocates.
+    start_bits = (
+        max(w for w in BUDGET_WIDTHS if w <= d.bits) if is_budget(d.bits) else d.bits
+    )
+    tensors: list[TensorPolicy] = []
+    all_origins: list[dict[str, int]] = []
+    for lf in ordered:
+        for kind, tf in ((TensorKind.KEY, lf.key), (TensorKind.VALUE, lf.value)):
+            derived_axis = _AXIS_OF[Contracted(tf.contracted)]
+            has_rope = kind is TensorKind.KEY and tf.rope is not None
+            values: dict[str, Any] = {
+                "bits": start_bits,
+                "group_size": d.group_size,
+                "residual": d.residual,
+                "sinks": d.sinks,
+                "axis": d.axis if d.axis is not None else derived_axis,
+                "pre_rope": d.pre_rope and has_rope,
+            }
+            origins = dict.fromkeys(values, _DEFAULTS)
+            if d.axis is None:
+                origins["axis"] = _ANALYSIS
+            if not has_rope:
+                origins["pre_rope"] = _ANALYSIS
+            for i, rule in enumerate(spec.overrides):
+                if lf.layer in selections[i] and kind in rule.kinds():
+                    for name, value in rule.settings().items():
+                        values[name] = value
+                        origins[name] = i
+            fallback_from = None
+            if (
+                values["axis"] is Axis.TOKEN
+                and values["bits"] < FULL_PRECISION
+                and origins["group_size"] == _DEFAULTS
+                and "group_size" not in d.model_fields_set
+                and tf.head_dim % values["group_size"]
+            ):
+                # Only kvpolicy's own default shrinks; one the user wrote stays an error.
+                smaller = fallback_group_size(values["group_size"], tf.head_dim, values["bits"])
+                if smaller is not None:
+                    fallback_from, values["group_size"] = values["group_size"], smaller
+            rope_short, rope_style, rotary_dim, _ = (
+                _rope_text(tf) if kind is TensorKind.KEY else (None, None, None, "")
+            )
+            overridden = (
+                values["axis"] is not derived_axis
+                or values["pre_rope"] != has_rope
+                or any(
+                    origins[f] >= 0 and values[f] != getattr(d, f)
+                    for f in ("bits", "group_size", "residual", "sinks")
+                )
+            )
+            try:
+                tp = TensorPolicy(
+                    layer=lf.layer,
+                    tensor=kind,
+                    **values,
+                    head_dim=tf.head_dim,
+                    num_kv_heads=tf.num_kv_heads,
+                    bits_from="rule" if origins["bits"] >= 0 else "defaults",
+                    contraction=tf.contraction,
+                    rope=rope_short,
+                    rope_style=rope_style,
+                    rotary_dim=rotary_dim,
+                    derived_axis=derived_axis,
+                    derived_pre_rope=has_rope,
+                    overridden=overridden,
+                    reason=_reason(
+                        kind, tf, values, origins, derived_axis, has_rope, d, fallback_from
+                    ),
+                )
+            except ValidationError as exc:
+                raise _blame(
+                    exc,
+                    spec.source,
+                    [_blamable(origins, values, derived_axis, has_rope)],
+                    f"layer {lf.layer} {kind.value}",
+                ) from None
+            tensors.append(tp)
+            all_origins.append(origins)
+    try:
+        return ModelPolicy(model=model_name, source=spec.source, tensors=tuple(tensors))
+    except ValidationError as exc:
+        layer = (exc.errors()[0].get("ctx") or {}).get("layer")
+        index = layer_ids.index(layer) if layer in layer_ids else 0
+        pair = all_origins[2 * index : 2 * index + 2]
+        raise _blame(exc, spec.source, pair) from None
+
+
+def _blamable(
+    origins: Mapping[str, int], values: Mapping[str, Any], derived_axis: Axis, has_rope: bool
+) -> dict[str, int]:
+    """Origins for blame: a rule that merely restates the derived axis or RoPE ordering
+    (as the kivi presets do) is not the cause of a conflict; the analysis is."""
+    out = dict(origins)
+    if values["axis"] is derived_axis:
+        out["axis"] = _ANALYSIS
+    if values["pre_rope"] == has_rope:
+        out["pre_rope"] = _ANALYSIS
+    return out
+
+
+def _blame(
+    exc: ValidationError, source: str, origins: Sequence[Mapping[str, int]], what: str = ""
+) -> PolicyError:
+    """Name the rule (or the defaults) that set the offending value: among the fields a
+    check involves, the one set last."""
+    err = exc.errors(include_url=False)[0]
+    ctx = err.get("ctx") or {}
+    field = err["loc"][0] if err["loc"] else ctx.get("field", "?")
+    involved = [f for f in str(ctx.get("involved", field)).split(",") if f]
+    candidates = [(o.get(f, _ANALYSIS), f) for o in origins for f in involved]
+    origin, field = max(candidates, default=(_ANALYSIS, field))
+    message = (
+        err["msg"] if err["type"] == "kvpolicy" else f"{err['msg']} (got {show(err['input'])})"
+    )
+    suffix = f" ({what})" if what else ""
+    return PolicyError(f"{source}, {_where(origin)}, field '{field}': {message}{suffix}")

@@ -1,0 +1,111 @@
+"""The table a ``ModelPolicy`` prints as (``str(policy)``, ``kvpolicy inspect``).
+
+One aligned row per tensor, consecutive identical layers sharing a row pair, a title and a
+footer with the achieved average bits and bytes per token. The functions read the fields
+of ``TensorPolicy`` / ``ModelPolicy`` (schema.py) without importing them: schema.py
+imports this module, so this module imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def ranges(layers: Sequence[int]) -> str:
+    """ "0-3, 5, 7-9" for [0, 1, 2, 3, 5, 7, 8, 9]."""
+    parts: list[str] = []
+    start = prev = None
+    for layer in layers:
+        if prev is not None and layer == prev + 1:
+            prev = layer
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = layer
+    if start is not None:
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+    return ", ".join(parts)
+
+
+_COLUMNS = ("layers", "tensor", "axis", "bits", "G", "pre-RoPE", "R", "sinks", "override")
+
+
+def _row(label: str, t: Any) -> list[str]:
+    """The cells of one ``TensorPolicy``."""
+    if t.rope is None:
+        pre_rope = "-"  # nothing rotates this tensor
+    else:
+        pre_rope = "yes" if t.pre_rope else "no"
+    return [
+        label,
+        t.tensor.value,
+        t.axis.value,
+        str(t.bits),
+        str(t.group_size),
+        pre_rope,
+        str(t.residual),
+        str(t.sinks),
+        "yes" if t.overridden else "-",
+        t.contraction,
+        t.reason,
+    ]
+
+
+def render_table(policy: Any) -> str:
+    """An aligned table of a ``ModelPolicy``, one row per tensor. Consecutive layers whose
+    key and value policies are identical in every field but ``layer`` share one row pair
+    ("0-29")."""
+    groups: list[tuple[list[int], Any, Any]] = []
+    for i in range(0, len(policy.tensors), 2):
+        key, value = policy.tensors[i], policy.tensors[i + 1]
+        sig = (key.model_copy(update={"layer": 0}), value.model_copy(update={"layer": 0}))
+        if groups:
+            layers, k0, v0 = groups[-1]
+            same = (k0.model_copy(update={"layer": 0}), v0.model_copy(update={"layer": 0}))
+            if layers[-1] + 1 == key.layer and sig == same:
+                layers.append(key.layer)
+                continue
+        groups.append(([key.layer], key, value))
+
+    header = [*_COLUMNS, "contraction", "reason"]
+    rows = [header]
+    for layers, key, value in groups:
+        label = ranges(layers)
+        rows.append(_row(label, key))
+        rows.append(_row(label, value))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header) - 1)]
+
+    def line(cells: list[str]) -> str:
+        padded = [c.ljust(w) for c, w in zip(cells[:-1], widths, strict=True)]
+        return "  ".join([*padded, cells[-1]]).rstrip()
+
+    name = policy.model or "<model>"
+    source = f", policy {policy.source}" if policy.source else ""
+    title = (
+        f"kvpolicy: {name}{source}: {policy.num_layers} attention layers, "
+        f"{policy.avg_bits:.2f} code bits per element on average"
+    )
+    rule = "  ".join("-" * w for w in widths) + "  " + "-" * len("reason")
+    return "\n".join([title, line(header), rule, *(line(r) for r in rows[1:]), rule,
+                      _footer(policy)])
+
+
+def _footer(policy: Any) -> str:
+    """Achieved average bits (against the budget, if any) and bytes per token vs fp16."""
+    packed, fp16 = policy.bytes_per_token(), policy.fp16_bytes_per_token
+    text = f"average {policy.avg_bits:.3f} code bits per cached element"
+    if policy.budget is not None:
+        text += f" (budget {policy.budget:g}"
+        if policy.calibration is not None:
+            cal = policy.calibration
+            text += (
+                f"; widths allocated from the {cal.metric} measured on {cal.source}, "
+                f"{cal.rows}x{cal.tokens} tokens"
+            )
+        text += ")"
+    return (
+        f"{text}; {packed:,.0f} bytes per packed token vs {fp16:,} in fp16 "
+        f"({fp16 / packed:.2f}x smaller; fp16 scales and zeros counted, the full-precision "
+        "sink and residual windows not)"
+    )

@@ -1,0 +1,175 @@
+"""The rules shared by the spec models and ``TensorPolicy``, so that one rule has one message.
+
+The supported code widths and bit budgets, kvpolicy's own defaults, the axes and tensor
+kinds, and the checks (bits, budget, byte alignment, group size dividing head_dim) that
+raise a pydantic custom error carrying the field(s) it is about: ``PolicyError``
+messages name that field, and ``build_policy`` blames the rule that set it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from pydantic_core import PydanticCustomError
+
+from ..kernels.layout import FULL_PRECISION, SUPPORTED_BITS, byte_aligned
+
+# SUPPORTED_BITS and FULL_PRECISION (16: kept in full precision) are facts of the packed
+# layout; they live in kernels.layout and are re-exported here.
+# The widths a bit budget (a non-integer ``bits``) chooses from, one per tensor.
+BUDGET_WIDTHS: tuple[int, ...] = (1, 2, 3, 4, 8)
+
+# kvpolicy's own defaults (docs/design.md §1–§2): KIVI's group size and residual window,
+# four sink tokens, keys quantized before RoPE wherever the key path has one.
+KVPOLICY_DEFAULTS: dict[str, Any] = {
+    "group_size": 32,
+    "residual": 128,
+    "sinks": 4,
+    "pre_rope": True,
+}
+
+
+class Axis(str, Enum):
+    """The axis along which scales vary (docs/design.md §1): one scale per index of this axis."""
+
+    CHANNEL = "channel"  # per-channel scales; groups of G consecutive tokens of one channel
+    TOKEN = "token"  # per-token scales; groups of G consecutive channels of one token
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class TensorKind(str, Enum):
+    """Which cached tensor of an attention layer."""
+
+    KEY = "key"
+    VALUE = "value"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Frozen(BaseModel):
+    """Base of every policy model: immutable, and unknown fields are an error."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def invalid(field: str, message: str, *involved: str) -> PydanticCustomError:
+    """A validation error that remembers which field(s) it is about.
+
+    Model-level validators have no ``loc``; the context carries the field so that
+    ``PolicyError`` messages can name it and ``build_policy`` can blame the rule that set it.
+    """
+    return PydanticCustomError(
+        "kvpolicy",
+        "{message}",
+        {"message": message, "field": field, "involved": ",".join(involved or (field,))},
+    )
+
+
+def check_bits(bits: int, hint: str = "") -> None:
+    """``bits`` is a supported width; ``hint`` ends the message (e.g. what a budget is)."""
+    if bits not in SUPPORTED_BITS:
+        supported = ", ".join(map(str, SUPPORTED_BITS))
+        raise invalid(
+            "bits",
+            f"{bits} bits is not supported; use one of {supported} (16 = full precision){hint}",
+        )
+
+
+def check_bits_or_budget(bits: int | float) -> int | float:
+    """A width (an int of SUPPORTED_BITS) or a budget (any float in [1, 16], so ``3.0`` is a
+    budget that averages 3 bits while ``3`` is every tensor at 3 bits)."""
+    if isinstance(bits, float):
+        if not math.isfinite(bits):
+            raise invalid("bits", f"bits={bits} is not a number of bits")
+        if bits < BUDGET_WIDTHS[0] or bits > FULL_PRECISION:
+            raise invalid(
+                "bits",
+                f"a bit budget of {bits} is outside [{BUDGET_WIDTHS[0]}, {FULL_PRECISION}]: "
+                f"the smallest width is {BUDGET_WIDTHS[0]} bit and {FULL_PRECISION} is full "
+                "precision; give an average between them, e.g. 2.5",
+            )
+        return bits
+    check_bits(
+        bits,
+        f", or a float such as 2.5 or {float(bits)} for a budget: that average of code bits "
+        "per element, spread over the tensors by measured sensitivity",
+    )
+    return bits
+
+
+def is_budget(bits: int | float) -> bool:
+    """True when ``bits`` is a budget (a float), not a width (an int)."""
+    return isinstance(bits, float)
+
+
+def join_or(items: Sequence[int]) -> str:
+    """ "1, 2 or 3" for [1, 2, 3]."""
+    words = [str(i) for i in items]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def check_byte_aligned(group_size: int, bits: int) -> None:
+    """Every group must start on a byte boundary of the packed stream (kernels/layout.py)."""
+    if byte_aligned(group_size, bits):
+        return
+    step = 8 // math.gcd(bits, 8)
+    below = (group_size // step) * step
+    choices = [g for g in (below, below + step) if g > 0]
+    raise invalid(
+        "group_size",
+        f"group_size {group_size} with {bits} bits does not start every group on a byte "
+        f"boundary (group_size*bits must be a multiple of 8); use {join_or(choices)}",
+        "group_size",
+        "bits",
+    )
+
+
+def token_group_sizes(head_dim: int, bits: int) -> list[int]:
+    """Group sizes that tile head_dim with byte-aligned groups, ascending. Powers of two
+    (what the kernels tile well: they pad a group to the next one) and head_dim itself come
+    first; other divisors only where none of those fits."""
+    ok = [
+        d
+        for d in range(1, head_dim + 1)
+        if head_dim % d == 0 and byte_aligned(d, bits)
+    ]
+    return [d for d in ok if d & (d - 1) == 0 or d == head_dim] or ok
+
+
+def fallback_group_size(group_size: int, head_dim: int, bits: int) -> int | None:
+    """The size that replaces a default ``group_size`` that does not divide head_dim: the
+    largest of ``token_group_sizes`` not above it; None if there is none."""
+    return max((g for g in token_group_sizes(head_dim, bits) if g <= group_size), default=None)
+
+
+def check_divides(group_size: int, head_dim: int, bits: int) -> None:
+    """Axis 'token' groups G channels of one token, so G must divide head_dim."""
+    if head_dim % group_size == 0:
+        return
+    preferred = token_group_sizes(head_dim, bits)
+    below = [d for d in preferred if d < group_size][-1:]
+    above = [d for d in preferred if d > group_size][:1]
+    hint = f"; use {join_or(below + above)}" if below + above else ""
+    raise invalid(
+        "group_size",
+        f"{group_size} does not divide head_dim={head_dim} (axis 'token' groups the channels "
+        f"of one token){hint}",
+        "group_size",
+        "axis",
+    )
+
+
+def packed_bytes_per_element(bits: int, group_size: int, scale_bytes: int) -> float:
+    """Bytes one quantized element takes: its code plus its share of one scale and one
+    zero (``scale_bytes`` each) per group of ``group_size``."""
+    return bits / 8 + 2 * scale_bytes / group_size

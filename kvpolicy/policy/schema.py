@@ -1,0 +1,366 @@
+"""The result of a derivation and the table a bit budget is allocated from.
+
+``TensorPolicy`` / ``ModelPolicy``
+    How every cached tensor of every attention layer is quantized, with the analysis
+    behind it (``derived_axis``, ``derived_pre_rope``, ``contraction``, ``rope``) and a
+    sentence a user can read (``reason``). Renders as a table (render.py), round-trips
+    through YAML and JSON, and loading goes through the schema: a file is validated, never
+    patched up.
+``Calibration`` (``LayerSensitivity`` per layer)
+    The measured sensitivity of each tensor at each candidate width.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import (
+    BaseModel,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from ..errors import PolicyError
+from .messages import translate
+from .render import ranges, render_table
+from .rules import (
+    BUDGET_WIDTHS,
+    FULL_PRECISION,
+    Axis,
+    Frozen,
+    TensorKind,
+    check_bits,
+    check_byte_aligned,
+    check_divides,
+    invalid,
+    packed_bytes_per_element,
+)
+from .yaml_io import parse_yaml, text_or_file
+
+# --------------------------------------------------------------------------- calibration
+
+
+class LayerSensitivity(Frozen):
+    """Measured consumed error of one layer's key and value at each candidate width.
+
+    ``key[i]`` / ``value[i]``: the error at ``Calibration.widths[i]`` when only that tensor
+    is quantized (None: the width does not fit the tensor's group size).
+    """
+
+    layer: StrictInt = Field(ge=0)
+    key: tuple[Union[float, None], ...]
+    value: tuple[Union[float, None], ...]
+
+
+class Calibration(Frozen):
+    """The sensitivity table a bit budget is allocated from
+    (``kvpolicy.calibrate.budget.calibrate``).
+
+    One currency for both tensors (``metric``;
+    ``kvpolicy.calibrate.budget.CALIBRATION_METRICS``): what the change of the attention
+    block's output costs when one tensor of one layer is quantized at one width and
+    everything else is exact; by default the squared first-order change of the calibration
+    text's loss, ``Σ_t (∂L/∂o_t · Δo_t)²``. Keys act through the scores and the softmax,
+    values through the weighted sum.
+
+    ``settings`` fingerprints what the errors depend on besides the width (per tensor:
+    axis, group size, pre-RoPE, residual, sinks; see ``ModelPolicy.calibration_key``), so a
+    saved table is refused once those change.
+    """
+
+    metric: StrictStr = "loss-weighted attention-output error"
+    model: StrictStr = ""
+    source: StrictStr  # which tokens: "pydoc text, last 512 tokens" or "user token ids"
+    tokens: StrictInt = Field(gt=0)  # per row
+    rows: StrictInt = Field(default=1, gt=0)
+    seconds: float = Field(default=0.0, ge=0)
+    settings: StrictStr
+    widths: tuple[StrictInt, ...] = Field(min_length=1)
+    layers: tuple[LayerSensitivity, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _shapes(self) -> Calibration:
+        for w in self.widths:
+            if w not in BUDGET_WIDTHS:
+                raise invalid("widths", f"width {w} is not one of {BUDGET_WIDTHS}")
+        for ls in self.layers:
+            if len(ls.key) != len(self.widths) or len(ls.value) != len(self.widths):
+                raise invalid(
+                    "layers",
+                    f"layer {ls.layer}: {len(ls.key)} key and {len(ls.value)} value errors for "
+                    f"{len(self.widths)} widths",
+                )
+        return self
+
+    def errors(self, layer: int, tensor: TensorKind | str) -> dict[int, float]:
+        """``{width: error}`` of one tensor, feasible widths only; KeyError if not measured."""
+        kind = TensorKind(tensor)
+        for ls in self.layers:
+            if ls.layer == layer:
+                row = ls.key if kind is TensorKind.KEY else ls.value
+                return {w: e for w, e in zip(self.widths, row, strict=True) if e is not None}
+        raise KeyError(f"layer {layer} is not in this calibration")
+
+
+
+# --------------------------------------------------------------------------- result
+
+
+class TensorPolicy(Frozen):
+    """How one cached tensor (key or value) of one attention layer is quantized."""
+
+    layer: StrictInt = Field(ge=0)
+    tensor: TensorKind
+    axis: Axis
+    bits: StrictInt
+    group_size: StrictInt = Field(gt=0)
+    pre_rope: StrictBool  # keys cached before the rotation; RoPE re-applied after dequant
+    residual: StrictInt = Field(ge=0)  # most recent tokens kept in full precision
+    sinks: StrictInt = Field(ge=0)  # first tokens kept in full precision
+    head_dim: StrictInt = Field(gt=0)
+    num_kv_heads: StrictInt = Field(default=1, gt=0)  # cached heads: elements = heads*head_dim
+    contraction: StrictStr  # e.g. "q·kᵀ over head_dim=64 (scaled_dot_product_attention)"
+    rope: StrictStr | None = None  # e.g. "rotate_half 64/64"; None: no RoPE on this path
+    rope_style: StrictStr | None = None
+    rotary_dim: StrictInt | None = Field(default=None, gt=0)
+    derived_axis: Axis  # what the analysis derived, kept so a reason survives an override
+    derived_pre_rope: StrictBool
+    overridden: StrictBool = False
+    # Who chose ``bits``: the defaults (a width), an override rule, or a bit budget's
+    # allocator (from the measured sensitivity in ``ModelPolicy.calibration``).
+    bits_from: Literal["defaults", "rule", "budget"] = "defaults"
+    reason: StrictStr
+
+    @field_validator("bits")
+    @classmethod
+    def _bits_supported(cls, bits: int) -> int:
+        check_bits(bits)
+        return bits
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TensorPolicy:
+        rope_fields = (self.rope, self.rope_style, self.rotary_dim)
+        if any(f is None for f in rope_fields) and any(f is not None for f in rope_fields):
+            raise invalid("rope", "rope, rope_style and rotary_dim are set together or not at all")
+        if self.rotary_dim is not None and self.rotary_dim > self.head_dim:
+            raise invalid(
+                "rotary_dim", f"rotary_dim={self.rotary_dim} exceeds head_dim={self.head_dim}"
+            )
+        if self.tensor is TensorKind.VALUE and self.rope is not None:
+            raise invalid("rope", "values are never rotated; rope must be null for a value")
+        if self.pre_rope and self.rope is None:
+            if self.tensor is TensorKind.VALUE:
+                msg = "values are never rotated, so pre_rope applies to keys only; use tensor: key"
+            else:
+                msg = (
+                    "no RoPE was found on this layer's key path, so there is nothing to "
+                    "quantize before; drop pre_rope or restrict 'layers' to layers with RoPE"
+                )
+            raise invalid("pre_rope", msg)
+        if self.derived_pre_rope and self.rope is None:
+            raise invalid("derived_pre_rope", "derived_pre_rope is true but rope is null")
+        if self.bits < FULL_PRECISION:
+            check_byte_aligned(self.group_size, self.bits)
+            if self.axis is Axis.TOKEN:
+                check_divides(self.group_size, self.head_dim, self.bits)
+        return self
+
+    @property
+    def full_precision(self) -> bool:
+        """True when the tensor is stored unquantized (``bits == 16``)."""
+        return self.bits == FULL_PRECISION
+
+    @property
+    def pinned_full_precision(self) -> bool:
+        """A rule keeps this tensor at 16 bits: a budget does not allocate it, and the cache
+        takes it token by token, so its layer's other tensor packs token by token too."""
+        return self.bits_from == "rule" and self.full_precision
+
+    @property
+    def elements_per_token(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def bytes_per_token(self, scale_bytes: int = 2) -> float:
+        """Bytes one token of this tensor takes once packed: codes plus a scale and a zero
+        per group (``scale_bytes`` each; fp16 by default), or 2 bytes per element at 16 bits.
+        The full-precision sink and residual windows are not counted."""
+        if self.full_precision:
+            return 2.0 * self.elements_per_token
+        return self.elements_per_token * packed_bytes_per_element(
+            self.bits, self.group_size, scale_bytes
+        )
+
+
+class ModelPolicy(Frozen):
+    """The policy of every cached tensor of a model, in layer order (key, then value)."""
+
+    version: Literal[1] = 1
+    model: StrictStr = ""
+    source: StrictStr = ""  # the spec it was built from: preset name, file path or "<dict>"
+    tensors: tuple[TensorPolicy, ...] = Field(min_length=1)
+    # A bit budget (average code bits per cached element) and the measured sensitivity it
+    # was allocated from; None for uniform widths.
+    budget: float | None = None
+    calibration: Calibration | None = None
+
+    @model_validator(mode="after")
+    def _layer_order(self) -> ModelPolicy:
+        if len(self.tensors) % 2:
+            raise invalid("tensors", "expected a key and a value for every layer")
+        previous = -1
+        for i in range(0, len(self.tensors), 2):
+            key, value = self.tensors[i], self.tensors[i + 1]
+            if key.tensor is not TensorKind.KEY or value.tensor is not TensorKind.VALUE:
+                raise invalid("tensor", f"tensors[{i}:{i + 2}] must be a key then a value")
+            if key.layer != value.layer or key.layer <= previous:
+                raise invalid(
+                    "layer",
+                    f"tensors[{i}:{i + 2}] (layers {key.layer}, {value.layer}) break the "
+                    "order: layers increase, each with its key then its value",
+                )
+            previous = key.layer
+            for name in ("residual", "sinks"):
+                k, v = getattr(key, name), getattr(value, name)
+                if k != v:
+                    raise PydanticCustomError(
+                        "kvpolicy",
+                        "{message}",
+                        {
+                            "message": (
+                                f"layer {key.layer}: key has {name} {k} but value has {v}; key "
+                                "and value of a layer must share residual and sinks because "
+                                "the cache keeps one segmentation (sinks | quantized | "
+                                "residual window) per layer; set it with tensor: '*'"
+                            ),
+                            "field": name,
+                            "involved": name,
+                            "layer": key.layer,
+                        },
+                    )
+        return self
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Indices of the attention layers, increasing."""
+        return tuple(t.layer for t in self.tensors[::2])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.tensors) // 2
+
+    @property
+    def avg_bits(self) -> float:
+        """Code bits per cached element over all layers and both tensors, weighted by each
+        tensor's elements per token (16 for full-precision tensors).
+
+        Scales, zeros and the full-precision residual/sink windows are not counted: this is
+        the width of the quantized body, what the ``bits`` settings (and a budget) buy.
+        """
+        total = sum(t.elements_per_token for t in self.tensors)
+        return sum(t.bits * t.elements_per_token for t in self.tensors) / total
+
+    def bytes_per_token(self, scale_bytes: int = 2) -> float:
+        """Bytes one packed token takes over all layers, scales and zeros counted (see
+        ``TensorPolicy.bytes_per_token``)."""
+        return sum(t.bytes_per_token(scale_bytes) for t in self.tensors)
+
+    @property
+    def fp16_bytes_per_token(self) -> int:
+        """Bytes one token takes in an fp16 cache, for comparison."""
+        return 2 * sum(t.elements_per_token for t in self.tensors)
+
+    def calibration_key(self) -> str:
+        """A fingerprint of everything a measured sensitivity depends on except the widths:
+        the model name and, per tensor, layer, axis, group size, pre-RoPE, residual, sinks,
+        and whether a rule pins it at full precision (the cache then packs the layer's
+        other tensor token by token)."""
+        parts = [self.model] + [
+            f"{t.layer}{t.tensor.value[0]}:{t.axis.value}:{t.group_size}:{int(t.pre_rope)}:"
+            f"{t.residual}:{t.sinks}:{t.num_kv_heads}x{t.head_dim}"
+            + (":fp" if t.pinned_full_precision else "")
+            for t in self.tensors
+        ]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+    def get(self, layer: int, tensor: TensorKind | str) -> TensorPolicy:
+        """The policy of one tensor; ``KeyError`` if the layer has no attention here."""
+        kind = TensorKind(tensor)
+        offset = 0 if kind is TensorKind.KEY else 1
+        # Fast path: layers 0..n-1 in order (every dense model).
+        i = 2 * layer + offset
+        if 0 <= i < len(self.tensors) and self.tensors[i].layer == layer:
+            return self.tensors[i]
+        for t in self.tensors[offset::2]:
+            if t.layer == layer:
+                return t
+        raise KeyError(f"layer {layer} is not in this policy (layers {ranges(self.layers)})")
+
+    def __str__(self) -> str:
+        return render_table(self)
+
+    def to_yaml(self) -> str:
+        # A very wide line width keeps each reason on one line.
+        return yaml.safe_dump(
+            self.model_dump(mode="json"), sort_keys=False, allow_unicode=True, width=1 << 16
+        )
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return self.model_dump_json(indent=indent)
+
+    @classmethod
+    def from_yaml(cls, text_or_path: str | Path) -> ModelPolicy:
+        """Load from YAML text or a file path; validated by the schema, never patched up."""
+        text, source = text_or_file(text_or_path, "<yaml>")
+        return _validate_model_policy(parse_yaml(text, source), source)
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> ModelPolicy:
+        """Load from JSON text or a file path; validated by the schema."""
+        text, source = text_or_file(text_or_path, "<json>")
+        if not text.strip():
+            raise PolicyError(f"{source}: empty policy")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PolicyError(
+                f"{source}: cannot parse JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+            ) from None
+        return _validate_model_policy(data, source)
+
+
+def _validate_model_policy(data: Any, source: str) -> ModelPolicy:
+    if not isinstance(data, Mapping):
+        raise PolicyError(
+            f"{source}: expected a mapping with 'version', 'model', 'source' and 'tensors', "
+            f"got {type(data).__name__}"
+        )
+    try:
+        return ModelPolicy.model_validate(data)
+    except ValidationError as exc:
+        raise translate(exc, source, _model_policy_where(data), ModelPolicy) from None
+
+
+def _model_policy_where(data: Mapping[str, Any]):
+    def where(loc: tuple[Any, ...]) -> tuple[str | None, Any, type[BaseModel]]:
+        if len(loc) >= 2 and loc[0] == "tensors" and isinstance(loc[1], int):
+            label = f"tensors[{loc[1]}]"
+            items = data.get("tensors")
+            item = items[loc[1]] if isinstance(items, Sequence) and loc[1] < len(items) else None
+            if isinstance(item, Mapping) and "layer" in item and "tensor" in item:
+                label += f" (layer {item['layer']} {item['tensor']})"
+            return label, loc[2] if len(loc) > 2 else None, TensorPolicy
+        return None, loc[0] if loc else None, ModelPolicy
+
+    return where
+

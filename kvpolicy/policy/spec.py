@@ -1,0 +1,233 @@
+"""What a user asks for: ``PolicySpec``, made of ``Defaults`` and ordered ``OverrideRule``s.
+
+A spec comes from a preset name, a YAML file or a dict (``load_spec``, load.py) and is
+validated here field by field with the messages of rules.py; an override's ``layers`` is
+a selector (an int, a list, a range ``"a-b"`` or ``"*"``) resolved against the model's
+layers when ``build_policy`` (derive.py) applies it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import (
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from .render import ranges
+from .rules import (
+    KVPOLICY_DEFAULTS,
+    Axis,
+    Frozen,
+    TensorKind,
+    check_bits,
+    check_bits_or_budget,
+    check_byte_aligned,
+    invalid,
+    is_budget,
+)
+from .schema import Calibration
+
+_SETTABLE = ("bits", "group_size", "axis", "pre_rope", "residual", "sinks")
+
+LayerSelector = Union[StrictInt, StrictStr, tuple[Union[StrictInt, StrictStr], ...]]
+
+
+def _parse_range(text: str) -> tuple[int, int] | None:
+    a, sep, b = text.replace(" ", "").partition("-")
+    if not sep and a.isdigit():
+        return int(a), int(a)
+    if sep and a.isdigit() and b.isdigit():
+        return int(a), int(b)
+    return None
+
+
+def _layers_error(message: str) -> PydanticCustomError:
+    return invalid("layers", f'{message}; write an int, a list of ints, a range "a-b" or "*"')
+
+
+def _normalize_selector(value: Any) -> int | str | tuple[int | str, ...]:
+    if isinstance(value, bool):
+        raise _layers_error(f"got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise _layers_error(f"layer {value} is negative (layers count from 0)")
+        return value
+    if isinstance(value, str):
+        if value.strip() == "*":
+            return "*"
+        bounds = _parse_range(value)
+        if bounds is None:
+            raise _layers_error(f"cannot read {value!r}")
+        a, b = bounds
+        if a > b:
+            raise _layers_error(f"range {value!r} runs backwards")
+        return a if a == b else f"{a}-{b}"
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise _layers_error("the list is empty")
+        items = []
+        for item in value:
+            if isinstance(item, str) and item.strip() == "*":
+                raise _layers_error("'*' cannot be inside a list")
+            if not isinstance(item, (int, str)) or isinstance(item, bool):
+                raise _layers_error(f"list item {item!r} is not a layer")
+            items.append(_normalize_selector(item))
+        return tuple(items)
+    raise _layers_error(f"got a {type(value).__name__}")
+
+
+class Defaults(Frozen):
+    """Settings for every tensor before the overrides; the derived axis unless ``axis``.
+
+    A ``group_size`` that was not given (not in ``model_fields_set``; presets count as not
+    given) is the built-in default: where a tensor's axis is ``token`` and it does not
+    divide head_dim, ``build_policy`` uses the largest byte-aligned divisor below it (a
+    power of two or head_dim itself where one fits) and says so in the reason. A given one
+    that does not divide is an error.
+    """
+
+    # A width from SUPPORTED_BITS, or a float budget: the average code bits per cached
+    # element, spread over the tensors by measured sensitivity (kvpolicy.calibrate.budget).
+    bits: Union[StrictInt, StrictFloat] = 2
+    group_size: StrictInt = Field(default=KVPOLICY_DEFAULTS["group_size"], gt=0)
+    residual: StrictInt = Field(default=KVPOLICY_DEFAULTS["residual"], ge=0)
+    sinks: StrictInt = Field(default=KVPOLICY_DEFAULTS["sinks"], ge=0)
+    # True means "pre-RoPE where RoPE exists": a layer without RoPE is not an error here.
+    pre_rope: StrictBool = KVPOLICY_DEFAULTS["pre_rope"]
+    # None: the derived axis. Set, it applies to keys and values alike and counts as an
+    # override wherever it differs from the derived one.
+    axis: Axis | None = None
+
+    @field_validator("bits")
+    @classmethod
+    def _bits_supported(cls, bits: int | float) -> int | float:
+        return check_bits_or_budget(bits)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Defaults:
+        if not is_budget(self.bits):  # a budget's widths are checked per tensor
+            check_byte_aligned(self.group_size, self.bits)
+        return self
+
+
+class OverrideRule(Frozen):
+    """One override: which layers and tensors, and the fields it sets (None: not set)."""
+
+    layers: LayerSelector
+    tensor: Literal["key", "value", "*"]
+    bits: StrictInt | None = None
+    group_size: StrictInt | None = Field(default=None, gt=0)
+    axis: Axis | None = None
+    pre_rope: StrictBool | None = None
+    residual: StrictInt | None = Field(default=None, ge=0)
+    sinks: StrictInt | None = Field(default=None, ge=0)
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _selector(cls, value: Any) -> int | str | tuple[int | str, ...]:
+        return _normalize_selector(value)
+
+    @field_validator("bits")
+    @classmethod
+    def _bits_supported(cls, bits: int | None) -> int | None:
+        if bits is not None:
+            check_bits(bits)
+        return bits
+
+    @model_validator(mode="after")
+    def _sets_something(self) -> OverrideRule:
+        if not self.settings():
+            raise invalid(
+                "layers",
+                f"the rule selects layers and a tensor but sets nothing; set one of "
+                f"{', '.join(_SETTABLE)}",
+            )
+        if self.bits is not None and self.group_size is not None:
+            check_byte_aligned(self.group_size, self.bits)
+        return self
+
+    def settings(self) -> dict[str, Any]:
+        """The fields this rule sets, in a fixed order."""
+        return {f: getattr(self, f) for f in _SETTABLE if getattr(self, f) is not None}
+
+    def kinds(self) -> tuple[TensorKind, ...]:
+        if self.tensor == "*":
+            return (TensorKind.KEY, TensorKind.VALUE)
+        return (TensorKind(self.tensor),)
+
+    def select(self, layer_ids: Sequence[int]) -> list[int]:
+        """The layers of ``layer_ids`` this rule applies to; ``ValueError`` (with a message
+        that gives the model's layers) when it names a layer the model does not have."""
+        present = set(layer_ids)
+        described = _describe_layers(layer_ids)
+        if self.layers == "*":
+            return list(layer_ids)
+        items = self.layers if isinstance(self.layers, tuple) else (self.layers,)
+        chosen: set[int] = set()
+        for item in items:
+            if isinstance(item, int):
+                if item not in present:
+                    raise ValueError(f"layer {item} is out of range; {described}")
+                chosen.add(item)
+                continue
+            a, b = _parse_range(item) or (0, -1)
+            if b > max(layer_ids):
+                raise ValueError(f"range {item!r} reaches layer {b}, out of range; {described}")
+            hits = [layer for layer in layer_ids if a <= layer <= b]
+            if not hits:
+                raise ValueError(f"range {item!r} selects no attention layer; {described}")
+            chosen.update(hits)
+        return [layer for layer in layer_ids if layer in chosen]
+
+
+def _describe_layers(layer_ids: Sequence[int]) -> str:
+    n = len(layer_ids)
+    if list(layer_ids) == list(range(n)):
+        return f"the model has {n} layers (0-{n - 1})"
+    return f"the model has {n} attention layers ({ranges(layer_ids)})"
+
+
+class PolicySpec(Frozen):
+    """A user's policy request: defaults for every tensor plus ordered override rules, and
+    for a bit budget optionally the measured sensitivity to allocate it from."""
+
+    version: Literal[1] = 1
+    source: StrictStr = "<dict>"  # for messages: file path, "<dict>" or preset name
+    defaults: Defaults = Field(default_factory=Defaults)
+    overrides: tuple[OverrideRule, ...] = ()
+    calibration: Calibration | None = None
+
+    @property
+    def budget(self) -> float | None:
+        """The average-bit budget when ``defaults.bits`` is one, else None."""
+        return self.defaults.bits if is_budget(self.defaults.bits) else None
+
+    def to_yaml(self) -> str:
+        """This spec as a policy file: the defaults that were given, the overrides, and the
+        calibration if any (so that compiling from the file skips calibrating)."""
+        given = self.defaults.model_fields_set | {"bits"}
+        defaults = self.defaults.model_dump(mode="json", include=given)
+        doc: dict[str, Any] = {
+            "version": self.version,
+            "defaults": {k: v for k, v in defaults.items() if v is not None},
+        }
+        if self.overrides:
+            doc["overrides"] = [
+                r.model_dump(mode="json", exclude_none=True) for r in self.overrides
+            ]
+        if self.calibration is not None:
+            doc["calibration"] = self.calibration.model_dump(mode="json")
+        # Flow style for lists of scalars: one line per tensor of the calibration table.
+        return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=1 << 16,
+                              default_flow_style=None)
+
