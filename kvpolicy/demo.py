@@ -16,6 +16,9 @@ import time
 
 import torch
 
+from . import api, evaluation, zoo
+from .zoo import text
+
 PROMPT = "What is a key-value cache in a transformer? Answer in two sentences."
 
 
@@ -30,15 +33,15 @@ def _fmt_bytes(n: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bits", type=int, default=2)
-    parser.add_argument("--segments", type=int, default=4,
-                        help="pydoc segments to score (DESIGN.md's reference setup: 4)")
+    parser.add_argument(
+        "--segments", type=int, default=4,
+        help="pydoc segments to score (the README's reference setup: 4)",
+    )
     parser.add_argument("--context", type=int, default=768)
     parser.add_argument("--steps", type=int, default=256)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     torch.manual_seed(0)
-    from . import api, compiler, data, evaluation, zoo
-
     start = time.perf_counter()
     t0 = time.perf_counter()
     model, tokenizer = zoo.load("smollm2-135m")
@@ -49,13 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[2/5] traced and derived the policy in {time.perf_counter() - t0:.1f} s\n")
     print(policy, "\n")
 
-    segs = data.segments(tokenizer, args.context + args.steps, args.segments)
+    segs = text.segments(tokenizer, args.context + args.steps, args.segments)
     print(f"[3/5] decode-time perplexity, full-precision cache ({args.segments} segment(s) "
           f"of pydoc text: {args.context}-token prefill, {args.steps} decode steps)")
     fp = evaluation.decode_perplexity(model, segs, args.context, args.steps, desc="fp")
 
     t0 = time.perf_counter()
-    compiler.compile_model(model, bits=args.bits)
+    api.compile_model(model, bits=args.bits)
     print(f"\n[4/5] compiled at {args.bits} bits in {time.perf_counter() - t0:.1f} s; "
           f"chat through the packed cache:")
     messages = [{"role": "user", "content": PROMPT}]

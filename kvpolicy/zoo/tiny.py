@@ -1,7 +1,7 @@
 """Tiny random-weight models for tests: many transformers architectures and two
 hand-written attention modules that are not transformers code.
 
-Every builder returns a model in eval mode in well under a second. The transformers
+Every builder returns a small model in eval mode, quickly. The transformers
 models are configured small (2 layers, head_dim 32, GQA where the architecture has it)
 but otherwise left as the library builds them, so that the compiler sees each
 architecture's real attention code: partial rotary, per-head key norms, fused qkv
@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..kernels.layout import RotarySpec
 
 __all__ = [
     "TINY_ARCHITECTURES",
@@ -309,8 +311,6 @@ def rope_spec(style: str, rotary_dim: int, positions: int = 2048, base: float = 
     ``style`` is ``"rotate_half"`` (cos/sin laid out ``cat(f, f)``) or ``"interleaved"``
     (``repeat_interleave(f, 2)``).
     """
-    from .kernels.layout import RotarySpec
-
     inv = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
     ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None]
     ang = torch.cat((ang, ang), -1) if style == "rotate_half" else ang.repeat_interleave(2, -1)

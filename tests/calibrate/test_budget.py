@@ -1,4 +1,4 @@
-"""Bit budgets (kvpolicy.budget): the allocator, the calibration and the way through
+"""Bit budgets (kvpolicy.calibrate.budget): the allocator, the calibration and the way through
 derive_policy / compile_model / YAML."""
 
 from __future__ import annotations
@@ -10,12 +10,15 @@ import pytest
 import torch
 
 import kvpolicy
-from kvpolicy import budget
-from kvpolicy.cache import PackedKVLayer
+from kvpolicy.calibrate import budget
+from kvpolicy.calibrate.capture import capture_activations
+from kvpolicy.calibrate.metrics import expand_heads
 from kvpolicy.errors import KVPolicyError, PolicyError
 from kvpolicy.kernels.layout import QuantSpec
+from kvpolicy.kernels.masks import causal_mask
 from kvpolicy.policy import BUDGET_WIDTHS, is_budget, load_spec
-from kvpolicy.testing import tiny_model
+from kvpolicy.runtime.layer import PackedKVLayer
+from kvpolicy.zoo.tiny import tiny_model
 
 # A window and groups small enough for 96 calibration tokens to be packed.
 SMALL = {"group_size": 16, "residual": 16, "sinks": 2}
@@ -158,9 +161,6 @@ def test_calibration_error_is_what_the_decode_cache_gives(tensor, key_bits):
 
     Values beside keys at 8 bits pack in the keys' chunks of 16 tokens (the 8-bit keys are
     nearly exact); beside keys a rule pins at 16 bits, token by token."""
-    from kvpolicy import consumed
-    from kvpolicy.consumed import capture_activations
-
     model = tiny_model("llama")
     base = kvpolicy.derive_policy(model, policy=small_spec(2))
     act = capture_activations(model, calibration_ids(), loss_grad=True)[1]
@@ -184,13 +184,12 @@ def test_calibration_error_is_what_the_decode_cache_gives(tensor, key_bits):
                      positions[:, i : i + 1])
         outs.append(layer.attend(act.query[:, :, i : i + 1], scale=act.scale))
     got = torch.cat(outs, dim=2)
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
     hq = act.query.shape[1]
-    scores = act.query @ consumed._expand(act.key, hq).transpose(-1, -2) * act.scale
-    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-    exact = probs @ consumed._expand(act.value, hq)
+    scores = act.query @ expand_heads(act.key, hq).transpose(-1, -2) * act.scale
+    probs = torch.softmax(scores + causal_mask(t, t), dim=-1)
+    exact = probs @ expand_heads(act.value, hq)
     rows = budget._packed_counts(t, 2, 16, layer.chunk) > 0
-    relative = budget._rel(got, exact, rows)
+    relative = budget._relative_error_on_rows(got, exact, rows)
     assert expected["relative"] > 1e-3  # a real quantization error, far above fp32 rounding
     assert relative == pytest.approx(expected["relative"], rel=2e-3)
     fisher = budget._fisher(got - exact, act.out_grad)

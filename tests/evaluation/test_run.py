@@ -1,11 +1,20 @@
+import json
 import math
 
 import pytest
 import torch
 
 import kvpolicy
-from kvpolicy.evaluation import decode_perplexity
-from kvpolicy.testing import tiny_model
+from kvpolicy.calibrate import budget
+from kvpolicy.evaluation import (
+    FRONTIER_BUDGETS,
+    RunResult,
+    decode_perplexity,
+    frontier_dominance,
+    peers,
+    run,
+)
+from kvpolicy.zoo.tiny import tiny_model
 
 
 def _segments(n=3, length=40):
@@ -38,10 +47,6 @@ def test_batched_equals_one_segment_at_a_time_through_a_compiled_cache():
 
 
 def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
-    import json
-
-    from kvpolicy import budget
-
     calibrations = []
     calibrate = budget.calibrate
     monkeypatch.setattr(budget, "calibrate",
@@ -90,7 +95,7 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
     assert [r.name for r in budgets] == ["budget 2.25", "budget 2.5", "budget 3"]
     elems = report.run("2 bits").fp16_bytes_per_token // 2  # 2 layers x 2 heads x (32 + 32)
     assert elems == 256
-    for r, b in zip(budgets, kvpolicy.evaluation.FRONTIER_BUDGETS, strict=True):
+    for r, b in zip(budgets, FRONTIER_BUDGETS, strict=True):
         assert r.settings["budget"] == b  # allocated, 3.0 included, not uniform widths
         widths = r.settings["key_bits"] + r.settings["value_bits"]
         assert len(widths) == 4 and set(widths) <= {1, 2, 3, 4, 8}
@@ -115,15 +120,11 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
 
 
 def _point(name, group, bytes_per_token, perplexity):
-    from kvpolicy.evaluation import RunResult
-
     return RunResult(name, group, perplexity, perplexity / 10, None, None, None, 1.0,
                      bytes_per_token=bytes_per_token, fp16_bytes_per_token=512)
 
 
 def test_frontier_dominance_needs_both_fewer_bytes_and_lower_perplexity():
-    from kvpolicy.evaluation import frontier_dominance
-
     runs = [
         _point("2 bits", "bits", 128.0, 12.0),
         _point("3 bits", "bits", 160.0, 11.0),
@@ -140,10 +141,8 @@ def test_frontier_dominance_needs_both_fewer_bytes_and_lower_perplexity():
 
 @pytest.mark.parametrize("axes", [(0, 0), (-1, -1)])
 def test_quanto_steady_state_bytes_match_what_its_cache_holds(axes):
-    from kvpolicy import evaluation, peers
-
     model = tiny_model("llama")  # fp32: quanto keeps its scales and shifts in fp32
-    per_token = evaluation._elements_per_token(model)
+    per_token = run._elements_per_token(model)
     res = decode_perplexity(
         model, _segments(2, 45), 40, 5, progress=False, batched=True,
         make_cache=lambda: peers.peer_cache(model, "quanto", bits=2, group_size=16,
@@ -151,6 +150,6 @@ def test_quanto_steady_state_bytes_match_what_its_cache_holds(axes):
     )
     held = peers.cache_bytes(res.cache)
     assert held.packed > 0 and held.residual > 0  # quantized tokens and a window
-    steady = evaluation._quanto_bytes_per_token(per_token, 2, 16, model)
+    steady = run._quanto_bytes_per_token(per_token, 2, 16, model)
     assert steady == per_token * (2 / 8 + 2 * 4 / 16)
-    assert evaluation._quanto_measured_bytes_per_token(held, per_token, model) == steady
+    assert run._quanto_measured_bytes_per_token(held, per_token, model) == steady

@@ -1,18 +1,11 @@
-"""Quantization error measured where the cached tensor is consumed (DESIGN.md §3).
+"""Activations captured where each cached tensor is consumed (docs/design.md §3).
 
-Reconstruction error of a stored tensor says little about what attention sees. This
-module captures the real query, key (before and after RoPE) and value of every attention
-layer during one forward of an *uncompiled* model, quantizes the stored tensor with the
-reference quantizer, and reports the error at the consumer:
-
-* keys: relative error of the pre-softmax scores ``q·kᵀ·scale`` and the mean total
-  variation between the exact and the perturbed causal softmax rows;
-* values: relative error of the attention output ``softmax(scores)·V`` with exact
-  probabilities.
+One forward of an *uncompiled* model records the real query, key (before and after RoPE)
+and value of every attention layer as its consumer saw them, and optionally the gradient of
+the next-token loss with respect to every attention output; :mod:`kvpolicy.calibrate.metrics`
+measures quantization errors on them and :mod:`kvpolicy.calibrate.budget` allocates bits.
 
     acts = capture_activations(model, input_ids)
-    rows = consumed_errors(acts, AxisChoice("channel", "token", key_pre_rope=True), bits=2)
-    study = axis_study(model, input_ids, bits=2)   # derived axes and their flips
 
 What the capture relies on (no module names are matched):
 
@@ -27,20 +20,12 @@ What the capture relies on (no module names are matched):
   ``kwargs['position_embeddings'][0]``); pre-RoPE keys are the post-RoPE keys rotated
   back by the inverse rotation, which is exact when the two channels of a rotated pair
   share one angle (true for rotate-half and interleaved RoPE).
-
-Errors are computed for a causal LM over whole groups of the captured tokens: no
-full-precision residual window and no sinks, ``T`` trimmed to a multiple of the group size.
-The consumer's own mask is not replayed: every layer is scored with a plain causal mask
-(``LayerActivations.meta`` records whether SDPA got ``is_causal`` or a mask), so padding
-and sliding windows are not modelled. One forward gives prefill activations only; the
-cache-built-over-time evaluation of DESIGN §3 is a different measurement.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,22 +34,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .api import analyse_model, derive_policy
-from .errors import AnalysisError, KVPolicyError
-from .facts import RopeFacts, RopeStyle
-from .kernels import reference
-from .kernels.layout import QuantSpec, RotarySpec
-from .policy import ModelPolicy
+from ..analysis.analyse import analyse_model
+from ..analysis.facts import RopeFacts, RopeStyle
+from ..errors import AnalysisError, KVPolicyError
+from ..kernels import reference
+from ..kernels.layout import RotarySpec
+from ..state import compiled_of
 
 __all__ = [
-    "AxisChoice",
     "LayerActivations",
     "capture_activations",
-    "consumed_errors",
-    "axis_study",
 ]
-
-_EPS = 1e-30  # keeps a relative error finite for an all-zero reference
 
 
 @dataclass
@@ -104,9 +84,6 @@ class LayerActivations:
         sin = self.sin[:, :t].reshape(b * t, r)
         positions = torch.arange(b * t, device=cos.device).view(b, t)
         return RotarySpec(self.rope_style, r, cos, sin), positions  # type: ignore[arg-type]
-
-
-# --------------------------------------------------------------------------- capture
 
 
 _PATH_STEP = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
@@ -207,7 +184,7 @@ def _sdpa_arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) ->
 
 _RELATIVE_HINT = (
     "or measure the plain relative output error, which needs no backward: "
-    "cal = kvpolicy.budget.calibrate(model, kvpolicy.derive_policy(model, bits=2), ids, "
+    "cal = kvpolicy.calibrate.budget.calibrate(model, kvpolicy.derive_policy(model, bits=2), ids, "
     "metric='relative'), then compile_model(model, bits=<budget>, calibration=cal)"
 )
 
@@ -269,7 +246,7 @@ def capture_activations(
         AnalysisError: a layer's attention did not run SDPA, or RoPE tables could not be
             found or do not invert.
     """
-    if getattr(model, "_kvpolicy_compiled", None) is not None:
+    if compiled_of(model) is not None:
         raise KVPolicyError(
             f"{type(model).__name__} is compiled by kvpolicy; capture activations on the "
             "original (uncompiled) model: consumed_errors applies the policy itself"
@@ -371,289 +348,3 @@ def _unrotate(act: LayerActivations, k: torch.Tensor) -> torch.Tensor:
         raise AnalysisError(f"layer {act.layer}: RoPE rows with cos = sin = 0 do not invert")
     inverse = RotarySpec(spec.style, spec.rotary_dim, spec.cos / norm, -spec.sin / norm)
     return reference.apply_rope(k, positions, inverse)
-
-
-# --------------------------------------------------------------------------- errors
-
-
-@dataclass(frozen=True)
-class AxisChoice:
-    """One axis policy for every layer: the key axis, the value axis, keys pre-RoPE."""
-
-    key_axis: str = "channel"
-    value_axis: str = "token"
-    key_pre_rope: bool = True
-
-    @property
-    def name(self) -> str:
-        """``K-channel-pre/V-token`` (pre/post only matters where the model has RoPE)."""
-        where = "pre" if self.key_pre_rope else "post"
-        return f"K-{self.key_axis}-{where}/V-{self.value_axis}"
-
-
-PolicyLike = AxisChoice | ModelPolicy | Mapping[str, Any]
-
-
-def _choice_for(spec: PolicyLike, layer: int) -> tuple[str, str, bool]:
-    """(key axis, value axis, keys pre-RoPE) of ``layer`` under ``spec``."""
-    if isinstance(spec, ModelPolicy):
-        k, v = spec.get(layer, "key"), spec.get(layer, "value")
-        return str(k.axis.value), str(v.axis.value), bool(k.pre_rope)
-    if isinstance(spec, Mapping):
-        spec = AxisChoice(**spec)
-    if not isinstance(spec, AxisChoice):
-        raise KVPolicyError(
-            f"policy_spec is a {type(spec).__name__}; pass an AxisChoice, a ModelPolicy or a "
-            "dict with key_axis, value_axis, key_pre_rope"
-        )
-    return spec.key_axis, spec.value_axis, spec.key_pre_rope
-
-
-def _rel(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    return float((approx - exact).norm() / exact.norm().clamp_min(_EPS))
-
-
-def _roundtrip(x: torch.Tensor, spec: QuantSpec, store: torch.dtype | None = None) -> torch.Tensor:
-    """Quantize and dequantize (fp32); ``store``: the dtype scales and zeros are kept in."""
-    return reference.dequantize(reference.quantize(x, spec, store), spec, torch.float32)
-
-
-def _expand(x: torch.Tensor, hq: int) -> torch.Tensor:
-    return x.repeat_interleave(hq // x.shape[1], dim=1)
-
-
-def _causal_mask(t: int, device: torch.device) -> torch.Tensor:
-    keep = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-    return torch.zeros(t, t, device=device).masked_fill(~keep, float("-inf"))
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.matmul(q, _expand(k, q.shape[1]).transpose(-1, -2)) * scale
-
-
-def _exact(act: LayerActivations, t: int) -> tuple[torch.Tensor, ...]:
-    """Unquantized ``(scores, probs, out, mask, causal)`` over the first ``t`` tokens,
-    cached in ``act.meta`` (they do not depend on the policy).
-
-    ``scores`` are raw ``q·kᵀ·scale`` (unmasked), ``mask`` the additive causal mask,
-    ``causal`` its 0/1 form, ``out`` the fp32 attention output.
-    """
-    cached = act.meta.get("_exact")
-    if cached is not None and cached[0] == t:
-        return cached[1]
-    q, k, v = act.query[:, :, :t], act.key[:, :, :t], act.value[:, :, :t]
-    mask = _causal_mask(t, q.device)
-    causal = torch.isfinite(mask).float()
-    scores = _scores(q, k, act.scale)
-    probs = torch.softmax(scores + mask, dim=-1)
-    out, _ = reference.attention_partial(q, k, v, scale=act.scale, mask=mask)
-    exact = (scores, probs, out, mask, causal)
-    act.meta["_exact"] = (t, exact)
-    return exact
-
-
-def consumed_errors(
-    acts: Sequence[LayerActivations],
-    policy_spec: PolicyLike,
-    bits: int = 2,
-    group_size: int = 32,
-) -> list[dict[str, Any]]:
-    """Quantize each stored tensor and measure the error where attention consumes it.
-
-    Args:
-        acts: from :func:`capture_activations`.
-        policy_spec: the axis of keys and values and whether keys are stored pre-RoPE:
-            an :class:`AxisChoice`, a dict of its fields, or a ``ModelPolicy`` (its per-layer
-            ``axis`` and ``pre_rope``; its bits, group size, residual and sinks are not used).
-        bits: code width for both tensors.
-        group_size: G; the captured tokens are trimmed to a multiple of G (all of them
-            quantized: no residual window, no sinks).
-
-    Returns:
-        Per layer a key row then a value row, each a dict with ``layer, tensor, axis,
-        pre_rope, bits, tokens, recon`` (relative Frobenius error of the stored tensor),
-        and for keys ``score_err`` (relative error of the causal ``q·kᵀ·scale`` entries),
-        ``prob_tv`` (mean total variation per causal softmax row) and ``output_err``
-        (relative error of ``softmax(scores)·V`` with exact V); for values ``output_err``
-        (relative error of ``softmax(scores)·V`` with exact probabilities) and
-        ``score_err = prob_tv = None``, plus ``joint_output_err``: the output error with
-        both the key and the value quantized as ``policy_spec`` says.
-    """
-    rows: list[dict[str, Any]] = []
-    for act in acts:
-        key_axis, value_axis, pre_rope = _choice_for(policy_spec, act.layer)
-        pre_rope = pre_rope and act.cos is not None
-        t = (act.key.shape[2] // group_size) * group_size
-        if t == 0:
-            raise KVPolicyError(
-                f"{act.key.shape[2]} captured tokens hold no whole group of {group_size}; "
-                "capture at least group_size tokens"
-            )
-        q, k_post, v = act.query[:, :, :t], act.key[:, :, :t], act.value[:, :, :t]
-        scores, probs, out, mask, causal = _exact(act, t)
-        k_stored = act.key_pre[:, :, :t] if pre_rope else k_post
-        k_hat = _roundtrip(k_stored, QuantSpec(bits, group_size, key_axis))  # type: ignore[arg-type]
-        recon_k = _rel(k_hat, k_stored)
-        if pre_rope:
-            spec, positions = act.rotary(t)
-            k_hat = reference.apply_rope(k_hat, positions, spec)
-        scores_hat = _scores(q, k_hat, act.scale)
-        probs_hat = torch.softmax(scores_hat + mask, dim=-1)
-        out_k, _ = reference.attention_partial(q, k_hat, v, scale=act.scale, mask=mask)
-        rows.append(dict(
-            layer=act.layer, tensor="key", axis=key_axis, pre_rope=pre_rope, bits=bits,
-            tokens=t, recon=recon_k,
-            score_err=_rel(scores_hat * causal, scores * causal),
-            prob_tv=float(0.5 * (probs_hat - probs).abs().sum(-1).mean()),
-            output_err=_rel(out_k, out),
-        ))
-
-        v_hat = _roundtrip(v, QuantSpec(bits, group_size, value_axis))  # type: ignore[arg-type]
-        out_v = torch.matmul(probs, _expand(v_hat, q.shape[1]))
-        out_kv = torch.matmul(probs_hat, _expand(v_hat, q.shape[1]))
-        rows.append(dict(
-            layer=act.layer, tensor="value", axis=value_axis, pre_rope=False, bits=bits,
-            tokens=t, recon=_rel(v_hat, v), score_err=None, prob_tv=None,
-            output_err=_rel(out_v, out), joint_output_err=_rel(out_kv, out),
-        ))
-    return rows
-
-
-# --------------------------------------------------------------------------- study
-
-_FLIP = {"channel": "token", "token": "channel"}
-# Per-policy means. "recon" averages the key and value reconstruction errors; "output_err"
-# is the attention-output error with both tensors quantized (joint_output_err).
-METRICS = ("recon", "output_err", "key_recon", "score_err", "prob_tv", "key_output_err",
-           "value_recon", "value_output_err")
-
-
-def _means(rows: list[dict[str, Any]]) -> dict[str, float]:
-    def mean(tensor: str, metric: str) -> float:
-        vals = [r[metric] for r in rows if r["tensor"] == tensor]
-        return sum(vals) / len(vals)
-
-    m = {
-        "key_recon": mean("key", "recon"),
-        "score_err": mean("key", "score_err"),
-        "prob_tv": mean("key", "prob_tv"),
-        "key_output_err": mean("key", "output_err"),
-        "value_recon": mean("value", "recon"),
-        "value_output_err": mean("value", "output_err"),
-        "output_err": mean("value", "joint_output_err"),
-    }
-    m["recon"] = (m["key_recon"] + m["value_recon"]) / 2
-    return {k: m[k] for k in METRICS}
-
-
-def _ranking(scores: Mapping[str, float]) -> list[str]:
-    return sorted(scores, key=lambda name: scores[name])
-
-
-def _kendall_tau(order: Sequence[str], scores: Mapping[str, float]) -> float:
-    """Kendall's tau between ``order`` (best first) and ascending ``scores``; ties count 0."""
-    n, total = len(order), 0
-    for i in range(n):
-        for j in range(i + 1, n):
-            diff = scores[order[j]] - scores[order[i]]
-            total += (diff > 0) - (diff < 0)
-    pairs = n * (n - 1) // 2
-    return total / pairs if pairs else 1.0
-
-
-def axis_study(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    bits: int = 2,
-    group_size: int = 32,
-    reference_order: Sequence[str] | None = None,
-) -> dict[str, Any]:
-    """Compare the derived key/value axes with their flips, at the consumer.
-
-    Policies: keys channel/token × pre/post-RoPE (``pre`` only where the model has RoPE;
-    without RoPE the names drop the suffix) × values token/channel, named like
-    ``K-channel-pre/V-token``. The derived policy's axes must be the same in every layer.
-
-    Args:
-        model, input_ids: as in :func:`capture_activations`.
-        bits, group_size: as in :func:`consumed_errors`.
-        reference_order: policy names best first (e.g. ranked by perplexity); the summary
-            then says which metrics rank those policies the same way, and Kendall's tau
-            of each metric against it.
-
-    Returns:
-        ``{"derived": name, "policies": {name: {metric: mean over layers}}, "rankings":
-        {metric: names best first}, "tau": {metric: tau} (with reference_order),
-        "summary": one line, ...}`` with the metrics of :data:`METRICS`.
-    """
-    derived = derive_policy(model, bits=bits)
-    key_axes = {t.axis.value for t in derived.tensors if t.tensor.value == "key"}
-    value_axes = {t.axis.value for t in derived.tensors if t.tensor.value == "value"}
-    if len(key_axes) != 1 or len(value_axes) != 1:
-        raise KVPolicyError(
-            f"derived axes differ across layers (keys {sorted(key_axes)}, values "
-            f"{sorted(value_axes)}); axis_study compares one axis pair for the whole model"
-        )
-    k_axis, v_axis = key_axes.pop(), value_axes.pop()
-    acts = capture_activations(model, input_ids)
-    has_rope = any(a.cos is not None for a in acts)
-
-    policies: dict[str, dict[str, float]] = {}
-    for ka in (k_axis, _FLIP[k_axis]):
-        for pre in (True, False) if has_rope else (False,):
-            for va in (v_axis, _FLIP[v_axis]):
-                choice = AxisChoice(ka, va, pre)
-                name = choice.name if has_rope else f"K-{ka}/V-{va}"
-                policies[name] = _means(consumed_errors(acts, choice, bits, group_size))
-    rankings = {m: _ranking({n: p[m] for n, p in policies.items()}) for m in METRICS}
-    result: dict[str, Any] = {
-        "derived": next(iter(policies)),
-        "bits": bits,
-        "group_size": group_size,
-        "tokens": int(acts[0].key.shape[2] // group_size * group_size),
-        "policies": policies,
-        "rankings": rankings,
-    }
-    if reference_order is not None:
-        order = list(reference_order)
-        unknown = [n for n in order if n not in policies]
-        if unknown or len(set(order)) != len(order) or len(order) < 2:
-            raise KVPolicyError(
-                f"reference_order must name at least two distinct studied policies; "
-                f"unknown {unknown}; studied: {list(policies)}"
-            )
-        tau = {m: _kendall_tau(order, {n: policies[n][m] for n in order}) for m in METRICS}
-        agree = [m for m in METRICS if tau[m] == 1.0]
-        result["tau"] = tau
-        result["summary"] = (
-            f"metrics ranking {' > '.join(order)} the same way: "
-            f"{', '.join(agree) if agree else 'none'}; Kendall tau: "
-            + ", ".join(f"{m} {tau[m]:+.2f}" for m in METRICS)
-        )
-    else:
-        result["summary"] = _summary(policies, k_axis, v_axis, has_rope)
-    return result
-
-
-def _summary(
-    policies: Mapping[str, Mapping[str, float]], k_axis: str, v_axis: str, has_rope: bool
-) -> str:
-    """How reconstruction and consumed error choose between the axes of each tensor."""
-    pre = "-pre" if has_rope else ""
-    k_ref, k_flip = f"K-{k_axis}{pre}", f"K-{_FLIP[k_axis]}{pre}"
-    v_ref, v_flip = f"V-{v_axis}", f"V-{_FLIP[v_axis]}"
-
-    def pick(a: str, b: str, name_a: str, name_b: str, metric: str) -> str:
-        x, y = policies[a][metric], policies[b][metric]
-        return f"{name_a} ({x:.3g} vs {y:.3g})" if x <= y else f"{name_b} ({y:.3g} vs {x:.3g})"
-
-    base = f"{k_ref}/{v_ref}"
-    v_other, k_other = f"{k_ref}/{v_flip}", f"{k_flip}/{v_ref}"
-    joint = _ranking({n: p["output_err"] for n, p in policies.items()})
-    return (
-        f"values: reconstruction prefers {pick(base, v_other, v_ref, v_flip, 'value_recon')}, "
-        f"output error prefers {pick(base, v_other, v_ref, v_flip, 'value_output_err')}; "
-        f"keys: reconstruction prefers {pick(base, k_other, k_ref, k_flip, 'key_recon')}, "
-        f"score error prefers {pick(base, k_other, k_ref, k_flip, 'score_err')}; "
-        f"joint output error ranks {' < '.join(joint)}"
-    )

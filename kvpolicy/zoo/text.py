@@ -1,8 +1,7 @@
 """Real evaluation text with no download: CPython's ``pydoc_data.topics``.
 
-The standard library ships ~465 K characters of English technical prose (the help
-topics of ``pydoc``); tokenized with SmolLM2's tokenizer that is ~113 K tokens, enough
-for many disjoint evaluation segments.
+The standard library ships English technical prose (the help topics of ``pydoc``), long
+enough for many disjoint evaluation segments of a thousand tokens.
 """
 
 from __future__ import annotations
@@ -42,7 +41,8 @@ def segments(
         length: tokens per segment.
         n: number of segments (ignored when ``starts`` is given).
         starts: token offsets of the segments; default ``0, stride, 2*stride, ...``
-            (DESIGN.md's reference figures use 0, 1024, 2048, 3072 with length 1024).
+            (the README's reference figures: 4 segments of 1024 tokens, starting at 0,
+            1024, 2048, 3072).
         stride: distance between default starts.
 
     Returns:

@@ -1,11 +1,11 @@
 """The peer in the same run: transformers' own caches, scored by the same decode loop.
 
-DESIGN.md §5 names the peer kvpolicy is compared with: ``QuantizedCache(backend="quanto")``
-of transformers (package ``optimum-quanto``), whose axes its users pick by hand. This
-module builds that peer (and the full-precision ``DynamicCache``), scores it with a
-teacher-forced decode loop of the same design as :func:`kvpolicy.evaluation.decode_perplexity`
-(prefill ``context`` tokens, then ``steps`` single-token decode steps through the cache),
-counts the bytes it holds, and searches its four axis pairs.
+The peer kvpolicy is compared with is ``QuantizedCache(backend="quanto")`` of transformers
+(package ``optimum-quanto``), whose axes its users pick by hand. This module builds that
+peer (and the full-precision ``DynamicCache``), scores it with the teacher-forced decode
+loop of :func:`kvpolicy.evaluation.decode.decode_perplexity` (prefill ``context`` tokens,
+then ``steps`` single-token decode steps through the cache), counts the bytes it holds, and
+searches its four axis pairs.
 
 quanto's axes, read from ``optimum.quanto.tensor.grouped.group`` on a cache tensor of shape
 ``[batch, kv_heads, tokens, head_dim]``:
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import KVPolicyError, PolicyError
+from ..errors import KVPolicyError, PolicyError
+from .decode import decode_perplexity
 
 __all__ = [
     "PEER_KINDS",
@@ -226,14 +227,12 @@ def peer_decode_perplexity(
 ) -> PeerResult:
     """Perplexity of ``segments [N, >= context + steps]`` scored through a peer cache.
 
-    The loop of :func:`kvpolicy.evaluation.decode_perplexity`, except that each segment
+    The loop of :func:`~kvpolicy.evaluation.decode.decode_perplexity`, except that each segment
     starts from a fresh ``cache_factory()`` that is passed to the prefill and to every
     decode step (as ``cache=`` or ``past_key_values=``, whichever the model's forward
     takes). The prefill attends over its own full-precision states (transformers'
     ``QuantizedLayer`` returns them unquantized), so the cache is read only by decode steps.
     """
-    from .evaluation import decode_perplexity
-
     res = decode_perplexity(model, segments, context, steps, desc=desc, progress=progress,
                             make_cache=cache_factory)
     return PeerResult(res.perplexity, res.tokens, res.seconds_per_step,
@@ -277,7 +276,7 @@ def best_quanto_axes(
 ) -> tuple[tuple[int, int], dict[tuple[int, int], PeerResult]]:
     """Score the quanto peer at all four ``(axis_key, axis_value)`` in ``{0, -1}²``.
 
-    This is the hand search its users face (DESIGN.md §5). Returns the pair with the
+    This is the hand search its users face. Returns the pair with the
     lowest perplexity and every pair's :class:`PeerResult`, in the order
     ``(0, 0), (0, -1), (-1, 0), (-1, -1)``.
 

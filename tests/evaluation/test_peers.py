@@ -3,10 +3,12 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, QuantizedCache
 
-from kvpolicy import evaluation, peers
 from kvpolicy.errors import KVPolicyError, PolicyError
-from kvpolicy.testing import tiny_model
+from kvpolicy.evaluation import peers
+from kvpolicy.zoo.tiny import tiny_model
 
 # Tiny llama: 2 layers, 2 KV heads, head_dim 32. Groups of 16 and a residual of 8 make quanto
 # quantize after the prefill and every 8 decode steps (2 * 40 and 2 * 8 rows are multiples
@@ -48,14 +50,44 @@ def _quanto(model, bits, axes=(0, 0)):
                                     residual=RESIDUAL, axis_key=axes[0], axis_value=axes[1])
 
 
-def test_fp_peer_equals_the_models_own_loop():
-    model = tiny_model("llama")
-    segs = torch.randint(3, 128, (2, 64), generator=torch.Generator().manual_seed(1))
-    own = evaluation.decode_perplexity(model, segs, 40, 24, progress=False)
-    peer = peers.peer_decode_perplexity(model, segs, 40, 24,
-                                        lambda: peers.peer_cache(model, "fp"), progress=False)
-    assert (peer.perplexity, peer.nll, peer.tokens) == (own.perplexity, own.nll, own.tokens)
-    assert peer.bytes.tokens == 64 and peer.seconds_per_step > 0
+def _forward_nll(model, segs: torch.Tensor, context: int, steps: int) -> float:
+    """Summed next-token loss of tokens ``[context, context + steps)`` from one plain
+    forward over the whole segments: no cache is read, so nothing the peer loop does."""
+    with torch.no_grad():
+        logits = model(segs).logits[:, context - 1 : context + steps - 1]
+    targets = segs[:, context : context + steps]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                           reduction="sum").item()
+
+
+def test_fp_peer_reproduces_one_plain_forward(sharp):
+    """Teacher-forced decode through a fresh full-precision DynamicCache per segment scores
+    what one forward over the same tokens scores; the 2-bit quanto peer does not."""
+    model, ids = sharp
+    segs = torch.cat([ids, ids.flip(1)])  # two segments: each must start from a fresh cache
+    nll = _forward_nll(model, segs, CONTEXT, STEPS)
+    made = []
+
+    def fp_cache():
+        made.append(peers.peer_cache(model, "fp"))
+        return made[-1]
+
+    fp = peers.peer_decode_perplexity(model, segs, CONTEXT, STEPS, fp_cache, progress=False)
+    assert fp.tokens == 2 * STEPS
+    assert fp.nll == pytest.approx(nll, rel=1e-4)
+    assert fp.perplexity == pytest.approx(math.exp(nll / (2 * STEPS)), rel=1e-4)
+    # one cache built per segment; the result holds the last segment's, as it ended
+    assert len(made) == 2 and made[0] is not made[1] and fp.cache is made[1]
+    assert type(fp.cache) is DynamicCache
+    tokens = CONTEXT + STEPS
+    assert fp.bytes.tokens == tokens
+    assert fp.bytes.fp16 == 2 * LAYERS * KV_HEADS * tokens * HEAD_DIM * 2
+    assert fp.seconds_per_step > 0
+    q2 = peers.peer_decode_perplexity(model, segs, CONTEXT, STEPS, _quanto(model, 2),
+                                      progress=False)
+    assert q2.bytes.packed > 0 and type(q2.cache) is QuantizedCache
+    assert abs(q2.nll / nll - 1) > 0.01, (
+        f"2-bit quanto nll {q2.nll:.3f} within 1% of the full-precision {nll:.3f}")
 
 
 def test_quanto_cache_gets_the_settings(sharp):
@@ -136,14 +168,12 @@ def test_missing_quanto_names_the_install_command(sharp, monkeypatch):
     monkeypatch.setitem(sys.modules, "optimum.quanto", None)  # import now raises ImportError
     with pytest.raises(KVPolicyError, match="pip install optimum-quanto"):
         peers.peer_cache(model, "quanto")
-    from transformers import DynamicCache
-
     assert type(peers.peer_cache(model, "fp")) is DynamicCache  # fp needs no quanto
 
 
 @pytest.mark.real_model
 def test_smollm2_per_channel_keys_beat_quantos_default_axes(smollm2):
-    from kvpolicy import data
+    from kvpolicy.zoo import text as data
 
     model, tokenizer = smollm2
     segs = data.segments(tokenizer, 128 + 32, 1)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kvpolicy import data
+from kvpolicy.zoo import text as data
 
 
 def test_pydoc_text_is_real_and_large():

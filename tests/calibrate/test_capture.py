@@ -1,4 +1,4 @@
-"""Error measured where the cached tensor is consumed (kvpolicy.consumed)."""
+"""Activations captured where each cached tensor is consumed (kvpolicy.calibrate.capture)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from kvpolicy import analyse_model, compile_model, derive_policy
-from kvpolicy.consumed import (
-    METRICS,
-    AxisChoice,
-    _fold_heads,
-    axis_study,
-    capture_activations,
-    consumed_errors,
-)
+from kvpolicy.calibrate import budget
+from kvpolicy.calibrate.capture import _fold_heads, capture_activations
 from kvpolicy.errors import AnalysisError, KVPolicyError
 from kvpolicy.kernels import reference
-from kvpolicy.testing import tiny_model
+from kvpolicy.zoo.tiny import tiny_model
 
-B, T = 2, 40  # T is not a multiple of G=32: errors trim it to 32 tokens
+B, T = 2, 40
 
 # arch -> (query heads, kv heads, head_dim, rope style, rotary_dim)
 SHAPES = {
@@ -30,8 +24,6 @@ SHAPES = {
     "codegen": (4, 4, 32, "interleaved", 16),  # GPT-J pairs, half-width tables
     "gpt2": (4, 4, 32, None, None),  # learned positions, no RoPE
 }
-KEY_METRICS = ("recon", "score_err", "prob_tv", "output_err")
-VALUE_METRICS = ("recon", "output_err", "joint_output_err")
 
 
 def _ids(batch: int = B, tokens: int = T, seed: int = 0) -> torch.Tensor:
@@ -90,40 +82,6 @@ def test_pre_rope_keys_are_the_projected_keys() -> None:
         err = (a.key_pre - expected).abs().max().item()
         assert err < 1e-5, f"layer {a.layer}: pre-RoPE key differs from k_proj by {err:.2e}"
 
-
-def test_full_precision_is_exact(captured) -> None:
-    """bits=16 stores the tensor as is: every error is 0, pre-RoPE round trip included."""
-    rows = consumed_errors(captured["llama"], AxisChoice("channel", "token", True), bits=16)
-    assert len(rows) == 4 and [r["tensor"] for r in rows] == ["key", "value"] * 2
-    for r in rows:
-        for m in KEY_METRICS if r["tensor"] == "key" else VALUE_METRICS:
-            assert r[m] < 1e-5, f"{r['tensor']} {m} = {r[m]:.2e} at 16 bits"
-
-
-@pytest.mark.parametrize("choice", [AxisChoice(), AxisChoice("token", "channel", False)])
-def test_errors_shrink_with_bits(captured, choice: AxisChoice) -> None:
-    by_bits = {b: consumed_errors(captured["llama"], choice, bits=b) for b in (2, 3, 4, 8)}
-    for i, row in enumerate(by_bits[2]):
-        metrics = KEY_METRICS if row["tensor"] == "key" else VALUE_METRICS
-        for m in metrics:
-            e = [by_bits[b][i][m] for b in (2, 3, 4, 8)]
-            assert e[0] > e[1] > e[2] > e[3], f"{row['tensor']} {m} not monotone in bits: {e}"
-            assert e[3] < 0.02, f"{row['tensor']} {m} = {e[3]:.3g} at 8 bits"
-        assert row["tokens"] == 32 and row["bits"] == 2
-
-
-def test_rows_follow_the_policy(captured) -> None:
-    model = tiny_model("llama")
-    policy = derive_policy(model, bits=2)
-    rows = consumed_errors(captured["llama"], policy)
-    assert [(r["layer"], r["tensor"], r["axis"]) for r in rows] == [
-        (0, "key", "channel"), (0, "value", "token"), (1, "key", "channel"), (1, "value", "token")
-    ]
-    assert rows[0]["pre_rope"] is True
-    as_dict = consumed_errors(captured["llama"], {"key_axis": "channel", "value_axis": "token"})
-    assert as_dict == rows
-    with pytest.raises(KVPolicyError, match="no whole group"):
-        consumed_errors(captured["llama"], AxisChoice(), group_size=64)
 
 
 def test_fold_heads_undoes_repeat_kv() -> None:
@@ -225,8 +183,6 @@ def test_loss_grad_needs_logits_over_the_vocabulary(what: str, match: str) -> No
         capture_activations(model, _ids(), loss_grad=True)
     assert "metric='relative'" in str(info.value)
     # The way out the message gives: a budget from the relative currency.
-    from kvpolicy import budget
-
     spec = {"defaults": {"bits": 2, "group_size": 16, "residual": 16, "sinks": 2}}
     ids = _ids(1, 96)
     cal = budget.calibrate(model, derive_policy(model, policy=spec), ids, metric="relative",
@@ -247,48 +203,3 @@ def test_compiled_model_is_refused() -> None:
     with pytest.raises(KVPolicyError, match="uncompiled"):
         capture_activations(model, _ids())
 
-
-@pytest.mark.parametrize("arch, n", [("llama", 8), ("gpt2", 4)])
-def test_axis_study(arch: str, n: int) -> None:
-    model = tiny_model(arch)
-    study = axis_study(model, _ids(1, 64), bits=2)
-    assert len(study["policies"]) == n and study["tokens"] == 64
-    derived = "K-channel-pre/V-token" if arch == "llama" else "K-channel/V-token"
-    assert study["derived"] == derived
-    assert all(set(p) == set(METRICS) for p in study["policies"].values())
-    assert study["summary"].startswith("values: reconstruction prefers")
-    order = list(study["rankings"]["output_err"])
-    again = axis_study(model, _ids(1, 64), bits=2, reference_order=order)
-    assert again["tau"]["output_err"] == 1.0 and "output_err" in again["summary"]
-    with pytest.raises(KVPolicyError, match="reference_order"):
-        axis_study(model, _ids(1, 64), reference_order=["K-nothing/V-token", derived])
-
-
-@pytest.mark.real_model
-def test_smollm2_consumed_error_prefers_derived_axes(smollm2) -> None:
-    """DESIGN §1/§3 on SmolLM2 (128 pydoc tokens, 2 bits, G=32): per-channel keys have the
-    lower score error, per-token values the lower output error even though per-channel
-    values reconstruct better; every metric shrinks with bits."""
-    from kvpolicy import data
-
-    model, tokenizer = smollm2
-    acts = capture_activations(model, data.segments(tokenizer, 128, 1))
-    assert len(acts) == 30 and acts[0].key.shape == (1, 3, 128, 64)
-
-    def mean(rows, tensor: str, metric: str) -> float:
-        vals = [r[metric] for r in rows if r["tensor"] == tensor]
-        return sum(vals) / len(vals)
-
-    derived = {b: consumed_errors(acts, AxisChoice(), bits=b) for b in (2, 3, 4)}
-    flipped = consumed_errors(acts, AxisChoice("token", "channel", True), bits=2)
-    d2 = derived[2]
-    k_chan, k_tok = mean(d2, "key", "score_err"), mean(flipped, "key", "score_err")
-    assert k_chan < k_tok, f"key score error: channel {k_chan:.3f} vs token {k_tok:.3f}"
-    v_tok, v_chan = mean(d2, "value", "output_err"), mean(flipped, "value", "output_err")
-    assert v_tok < v_chan, f"value output error: token {v_tok:.3f} vs channel {v_chan:.3f}"
-    r_tok, r_chan = mean(d2, "value", "recon"), mean(flipped, "value", "recon")
-    assert r_chan < r_tok, f"value reconstruction: channel {r_chan:.3f} vs token {r_tok:.3f}"
-    for tensor, metrics in (("key", KEY_METRICS), ("value", VALUE_METRICS)):
-        for m in metrics:
-            e = [mean(derived[b], tensor, m) for b in (2, 3, 4)]
-            assert e[0] > e[1] > e[2], f"{tensor} {m} not monotone in bits: {e}"

@@ -1,0 +1,372 @@
+"""Measure a policy where it matters: ``evaluate`` (``kvpolicy eval``).
+
+On the same segments of pydoc text (or random tokens for ``quick``), every run is scored
+by teacher-forced decode through its cache (:mod:`kvpolicy.evaluation.decode`,
+docs/design.md §3): the full-precision cache, the derived policy, its ablations through
+the public override API (axes, pre/post-RoPE keys, residual, sinks, bits), bit budgets
+(``FRONTIER_BUDGETS``, allocated from one calibration; the middle one once more from the
+``relative`` currency of ``budget.CALIBRATION_METRICS``, to show what the default's loss
+weighting buys) and the peer (transformers' quanto ``QuantizedCache``) with its default
+and its best axes, with cache bytes and decode-step wall time beside each perplexity;
+then the where-consumed axis study (:mod:`kvpolicy.evaluation.axis_study`). The results
+(:mod:`kvpolicy.evaluation.report`) go to ``report.md``, ``report.json`` and PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import zoo
+from ..analysis.analyse import analyse_model
+from ..api import compile_model, derive_policy
+from ..api import inspect as inspect_policy
+from ..calibrate import budget
+from ..errors import KVPolicyError
+from ..policy import BUDGET_WIDTHS, load_spec, packed_bytes_per_element
+from ..zoo import text
+from ..zoo.tiny import tiny_model
+from .axis_study import consumed_study
+from .decode import decode_perplexity
+from .peers import cache_bytes, peer_cache
+from .report import EvalReport, RunResult, frontier_dominance, write_report
+
+__all__ = ["evaluate", "ablations", "FRONTIER_BUDGETS"]
+
+log = logging.getLogger(__name__)
+
+# Bit budgets of the frontier (average code bits per cached element; a float is always a
+# budget, so 3.0 is allocated, not uniform 3 bits). One calibration serves all of them.
+FRONTIER_BUDGETS: tuple[float, ...] = (2.25, 2.5, 3.0)
+
+
+def ablations(bits: int | float) -> list[tuple[str, str, dict[str, Any]]]:
+    """(name, group, overrides on top of the user's spec) of every ablation run."""
+    key, value = {"layers": "*", "tensor": "key"}, {"layers": "*", "tensor": "value"}
+    return [
+        ("K token / V token", "axes", {"overrides": [{**key, "axis": "token"}]}),
+        ("K channel / V channel", "axes", {"overrides": [{**value, "axis": "channel"}]}),
+        ("K token / V channel", "axes",
+         {"overrides": [{**key, "axis": "token"}, {**value, "axis": "channel"}]}),
+        ("keys post-RoPE", "rope", {"overrides": [{**key, "pre_rope": False}]}),
+        ("residual 0", "residual", {"defaults": {"residual": 0}}),
+        ("residual 32", "residual", {"defaults": {"residual": 32}}),
+        ("residual 128", "residual", {"defaults": {"residual": 128}}),
+        ("sinks 0", "sinks", {"defaults": {"sinks": 0}}),
+        ("sinks 4", "sinks", {"defaults": {"sinks": 4}}),
+        *[(f"{b} bits", "bits", {"defaults": {"bits": b}}) for b in (2, 3, 4)],
+        # The same 2.5 bits split by hand, each way, against the budget's own allocation.
+        *([
+            ("keys 3 / values 2", "split",
+             {"overrides": [{**key, "bits": 3}, {**value, "bits": 2}]}),
+            ("keys 2 / values 3", "split",
+             {"overrides": [{**key, "bits": 2}, {**value, "bits": 3}]}),
+        ] if isinstance(bits, int) else []),
+    ]
+
+
+def _merge(spec_dict: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``spec_dict`` with ``extra``'s defaults updated over it and its overrides appended."""
+    out = {"defaults": dict(spec_dict.get("defaults", {})),
+           "overrides": list(spec_dict.get("overrides", []))}
+    out["defaults"].update(extra.get("defaults", {}))
+    out["overrides"] += extra.get("overrides", [])
+    return out
+
+
+def _elements_per_token(model) -> int | None:
+    a = analyse_model(model)
+    return sum(lf.key.num_kv_heads * (lf.key.head_dim + lf.value.head_dim) for lf in a.layers)
+
+
+def evaluate(
+    model: str = "smollm2-135m",
+    *,
+    bits: int | float = 2,
+    policy: Any = None,
+    segments: int = 4,
+    context: int = 768,
+    steps: int = 256,
+    out: str | Path | None = None,
+    quick: bool = False,
+    peers: bool = True,
+    progress: bool = True,
+) -> EvalReport:
+    """Run the full comparison; see the module docstring.
+
+    Args:
+        model: a zoo name (``"smollm2-135m"``) or ``"tiny-<arch>"``.
+        bits, policy: the policy under test, as for ``compile_model`` (a float ``bits`` is
+            a budget; its runs calibrate on the segments' source, see ``_loader``).
+        segments, context, steps: text to score (segments decode as one batch).
+        out: folder for ``report.md``, ``report.json`` and the plots.
+        quick: a tiny random model, random tokens, short context: a smoke test.
+        peers: also run transformers' quanto ``QuantizedCache`` (needs optimum-quanto).
+    """
+    start = time.perf_counter()
+    if quick:
+        model, segments, context, steps = "tiny-llama", 2, 64, 16
+        if policy is None:  # a window and groups small enough for 80 tokens to be packed
+            policy = {"defaults": {"bits": bits, "group_size": 16, "residual": 16, "sinks": 2}}
+    load, segs, cal_input = _loader(model, segments, context + steps)
+    user = _spec_dict(policy, bits)
+    runs: list[RunResult] = []
+    notes: list[str] = []
+
+    fp_model = load()
+    per_token = _elements_per_token(fp_model)
+    fp = decode_perplexity(fp_model, segs, context, steps, desc="fp", progress=progress,
+                           batched=True)
+    fp_bytes = _fp16_bytes(per_token, segs.shape[0], context + steps)
+    held = _held_bytes(fp.cache)  # transformers' DynamicCache, in the model's dtype
+    runs.append(RunResult(
+        "full precision (DynamicCache)", "headline", fp.perplexity, 1.0, held, fp_bytes,
+        held * 8 / (fp_bytes / 2) if held and fp_bytes else None, fp.seconds_per_step * 1e3,
+    ))
+
+    def run_policy(name: str, group: str, spec: dict[str, Any],
+                   calibration: Any = None) -> RunResult:
+        """Compile a fresh model with ``spec`` and score it. ``calibration``: for a budget,
+        a measured ``Calibration`` (default: measure on ``cal_input``)."""
+        m = compile_model(load(), policy=spec, progress=progress,
+                          calibration=cal_input if calibration is None else calibration)
+        pol = inspect_policy(m)
+        res = decode_perplexity(m, segs, context, steps, desc=name, progress=progress,
+                                batched=True)
+        mem = res.cache.memory_report()
+        elems = per_token * segs.shape[0] * mem["tokens"] if per_token else None
+        r = RunResult(
+            name, group, res.perplexity, res.perplexity / fp.perplexity, mem["bytes"],
+            mem["fp16_bytes"], mem["bytes"] * 8 / elems if elems else None,
+            res.seconds_per_step * 1e3, spec, avg_bits=pol.avg_bits,
+            bytes_per_token=pol.bytes_per_token(),
+            fp16_bytes_per_token=pol.fp16_bytes_per_token,
+            measured_bytes_per_token=_packed_bytes_per_token(mem, segs.shape[0]),
+        )
+        if pol.budget is not None:
+            r.settings = {**spec, "budget": pol.budget, "layers": list(pol.layers),
+                          "key_bits": [pol.get(i, "key").bits for i in pol.layers],
+                          "value_bits": [pol.get(i, "value").bits for i in pol.layers]}
+        runs.append(r)
+        return r
+
+    derived = run_policy("derived policy", "headline", user)
+    seen = {json.dumps(user, sort_keys=True): derived}
+    for name, group, extra in ablations(bits):
+        spec = _merge(user, extra)
+        key = json.dumps(spec, sort_keys=True)
+        if key in seen or _same_as(spec, user):
+            same = seen.get(key, derived)
+            runs.append(replace(same, name=name, group=group, settings=spec))
+            continue
+        seen[key] = run_policy(name, group, spec)
+
+    frontier, budget_specs, cal = _frontier_calibration(load, user, cal_input, notes, progress)
+    for name, spec in budget_specs:
+        key = json.dumps(spec, sort_keys=True)
+        if key in seen:  # the user's own budget: the derived policy's run
+            same = seen[key]
+            runs.append(replace(same, name=name, group="budget", settings=same.settings))
+            continue
+        seen[key] = run_policy(name, "budget", spec, calibration=cal)
+    # The middle budget once more, allocated from the plain relative output error: what the
+    # loss weighting of the default currency buys.
+    mid_name, mid_spec = budget_specs[len(budget_specs) // 2]
+    relative = _relative_calibration(load, mid_spec, cal, cal_input, progress)
+    run_policy(f"{mid_name}, relative-error currency", "currency", mid_spec,
+               calibration=relative)
+
+    if peers:
+        runs += _peer_runs(load, segs, context, steps, fp.perplexity, user, per_token,
+                           progress, notes)
+    frontier["dominated_by"] = frontier_dominance(runs)
+    study_bits = bits
+    if isinstance(bits, float):  # a budget: the axis study compares axes at one width
+        study_bits = max(w for w in BUDGET_WIDTHS if w <= bits)
+        notes.append(f"the where-consumed axis study measured every tensor at {study_bits} "
+                     f"bits (bits={bits:g} is a budget)")
+    consumed = consumed_study(load, segs, context, study_bits, runs)
+    report = EvalReport(model, segs.shape[0], context, steps, runs,
+                        time.perf_counter() - start, consumed, notes, frontier)
+    if out is not None:
+        write_report(report, Path(out))
+    return report
+
+
+def _frontier_calibration(
+    load, user, cal_input, notes, progress
+) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]], Any]:
+    """``(frontier record, [(run name, spec)] per budget of FRONTIER_BUDGETS, calibration)``:
+    the budget runs are the user's spec with only ``bits`` changed, so one calibration (on a
+    fresh model, with those settings) serves them all."""
+    specs = [(b, _merge(user, {"defaults": {"bits": float(b)}})) for b in FRONTIER_BUDGETS]
+    for b, spec in specs:
+        if load_spec(spec).budget is None:  # a budget run must allocate, never go uniform
+            raise ValueError(f"frontier budget {b!r} does not load as a bit budget")
+    t0 = time.perf_counter()
+    base = derive_policy(load(), policy=specs[0][1], calibration=cal_input, progress=progress)
+    cal = base.calibration
+    wall = time.perf_counter() - t0
+    notes.append(
+        f"budget runs: widths allocated from one calibration on {cal.source} "
+        f"({cal.rows}x{cal.tokens} tokens), measured in {cal.seconds:.1f} s "
+        f"({wall:.1f} s with the policy derivation)"
+    )
+    record = {
+        "budgets": list(FRONTIER_BUDGETS),
+        "calibration": {"source": cal.source, "rows": cal.rows, "tokens": cal.tokens,
+                        "seconds": cal.seconds, "wall_seconds": round(wall, 3),
+                        "settings": cal.settings},
+    }
+    return record, [(f"budget {b:g}", spec) for b, spec in specs], cal
+
+
+def _relative_calibration(load, spec: dict[str, Any], cal, cal_input, progress: bool):
+    """The calibration of ``spec``'s settings on the same input as ``cal``, in the
+    ``relative`` currency (``budget.CALIBRATION_METRICS``) instead of the default one."""
+    model = load()
+    policy = derive_policy(model, policy=spec, calibration=cal, progress=False)
+    return budget.calibrate_on(model, policy, cal_input, metric="relative", progress=progress)
+
+
+def _packed_bytes_per_token(mem: dict[str, Any], batch: int) -> float | None:
+    """Bytes per token of the quantized body measured on a kvpolicy cache: per layer, codes +
+    scales + zeros over its packed tokens (times the batch), summed over layers; None
+    while some layer has packed nothing."""
+    total = 0.0
+    for layer in mem["layers"]:
+        if not layer["packed_tokens"]:
+            return None
+        body = layer["code_bytes"] + layer["scale_bytes"] + layer["zero_bytes"]
+        total += body / (layer["packed_tokens"] * batch)
+    return total
+
+
+def _held_bytes(cache) -> int | None:
+    try:
+        return cache_bytes(cache).total
+    except KVPolicyError as exc:  # a cache type peers cannot count: no figure, said why
+        log.info("cache bytes of %s not measured: %s", type(cache).__name__, exc)
+        return None
+
+
+def _same_as(spec: dict[str, Any], user: dict[str, Any]) -> bool:
+    """An ablation that only restates the user's own settings."""
+    if spec.get("overrides") != user.get("overrides"):
+        return False
+    d = load_spec(spec).defaults
+    u = load_spec(user).defaults
+    return d == u
+
+
+def _spec_dict(policy: Any, bits: int | float) -> dict[str, Any]:
+    spec = load_spec(policy, bits=bits)
+    dump = spec.model_dump(mode="json", exclude_none=True)
+    defaults = {k: v for k, v in dump["defaults"].items() if k != "axis" or v is not None}
+    return {"defaults": defaults, "overrides": [
+        {k: v for k, v in rule.items() if v is not None} for rule in dump.get("overrides", [])
+    ]}
+
+
+def _fp16_bytes(per_token: int | None, batch: int, tokens: int) -> int | None:
+    return None if per_token is None else 2 * per_token * batch * tokens
+
+
+def _loader(
+    model: str, segments: int, length: int
+) -> tuple[Callable[[], Any], torch.Tensor, Any]:
+    """``(load, segments, calibration input)``. The calibration input of a budget: for a
+    tiny random model (no tokenizer) random ids of another seed than the segments', as many
+    as the default calibration text has; for a zoo model its tokenizer, for the default
+    text (the last pydoc tokens, which the segments never reach)."""
+    if model.startswith("tiny-"):
+        arch = model[len("tiny-"):]
+        probe = tiny_model(arch)
+        gen = torch.Generator().manual_seed(0)
+        segs = torch.randint(3, probe.config.vocab_size, (segments, length), generator=gen)
+        cal = torch.randint(3, probe.config.vocab_size, (1, budget.CALIBRATION_TOKENS),
+                            generator=torch.Generator().manual_seed(1))
+        return (lambda: tiny_model(arch)), segs, cal
+    _, tokenizer = zoo.load(model)
+    return (lambda: zoo.load(model)[0]), text.segments(tokenizer, length, segments), tokenizer
+
+
+def _peer_runs(load, segs, context, steps, fp_ppl, user, per_token, progress, notes):
+    """transformers' quanto cache at the policy's bits, group and residual: all four axis
+    pairs (its users pick them by hand), reported with the default and the best."""
+    d = load_spec(user).defaults
+    if d.bits not in (2, 4):
+        notes.append(f"peer runs skipped: quanto supports 2 or 4 bits, the policy has {d.bits}")
+        return []
+    model = load()
+    steady = _quanto_bytes_per_token(per_token, d.bits, d.group_size, model)
+    results = {}
+    for axes in ((0, 0), (-1, 0), (0, -1), (-1, -1)):
+        def factory(axes=axes):
+            return peer_cache(model, "quanto", bits=d.bits, group_size=d.group_size,
+                                    residual=d.residual, axis_key=axes[0], axis_value=axes[1])
+
+        results[axes] = decode_perplexity(model, segs, context, steps, desc=f"quanto {axes}",
+                                          progress=progress, batched=True, make_cache=factory)
+    best = min(results, key=lambda a: results[a].perplexity)
+    out = []
+    for label, axes in (("quanto default axes (0, 0)", (0, 0)), (f"quanto best axes {best}", best)):
+        res = results[axes]
+        held = cache_bytes(res.cache)
+        elems = per_token * segs.shape[0] * held.tokens if per_token else None
+        out.append(RunResult(
+            label, "peer", res.perplexity, res.perplexity / fp_ppl, held.total, held.fp16,
+            held.total * 8 / elems if elems else None, res.seconds_per_step * 1e3,
+            {"bits": d.bits, "group_size": d.group_size, "residual": d.residual,
+             "axes": list(axes),
+             "all_axes": {str(a): r.perplexity for a, r in results.items()}},
+            avg_bits=float(d.bits), bytes_per_token=steady,
+            fp16_bytes_per_token=2 * per_token if per_token else None,
+            measured_bytes_per_token=_quanto_measured_bytes_per_token(held, per_token, model),
+        ))
+    return out
+
+
+def _quanto_bytes_per_token(per_token: int | None, bits: int, group_size: int,
+                            model: torch.nn.Module) -> float | None:
+    """Steady-state bytes per token of transformers' quanto ``QuantizedCache``, counted as
+    ``ModelPolicy.bytes_per_token`` counts ours: codes plus per-group scale and zero, no
+    full-precision window.
+
+    What quanto stores (transformers ``QuantoQuantizedLayer._quantize``, optimum-quanto
+    ``MaxOptimizer`` and ``WeightQBitsTensor``): the whole cache re-quantized with
+    ``quantize_weight(states, qint<bits>, axis, scale, shift, group_size)``; the states are
+    grouped (``tensor.grouped.group``) into ``numel / group_size`` groups of ``group_size``
+    elements on either axis (axis 0: along head_dim; axis -1: along the flattened
+    batch*heads*tokens rows), so per element there are ``bits`` code bits (a
+    ``PackedTensor``, ``8 // bits`` codes per uint8 along its first dim, padded up to a
+    multiple of ``8 // bits`` rows: a few bytes per cache, nothing per token) and
+    ``1 / group_size`` of one scale and one shift, both in the dtype of the cached states
+    (``MaxOptimizer`` asserts it; it is the model's dtype: fp32 for the fp32 models of this
+    eval, where kvpolicy stores fp16). So ``per_token * (bits / 8 + 2 * itemsize /
+    group_size)``; ``_quanto_measured_bytes_per_token`` checks it against the cache held at
+    the end of the eval.
+    """
+    if per_token is None:
+        return None
+    itemsize = next(model.parameters()).dtype.itemsize
+    return per_token * packed_bytes_per_element(bits, group_size, itemsize)
+
+
+def _quanto_measured_bytes_per_token(held, per_token: int | None,
+                                     model: torch.nn.Module) -> float | None:
+    """Bytes per quantized token of a quanto cache as held: (codes + scales + shifts) over
+    the quantized elements (all elements less the full-precision residual window's), times
+    the elements per token. None when nothing is quantized."""
+    itemsize = next(model.parameters()).dtype.itemsize
+    quantized = held.fp16 // 2 - held.residual // itemsize
+    if not per_token or quantized <= 0:
+        return None
+    return (held.packed + held.scales) / quantized * per_token
