@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 import kvpolicy
-from kvpolicy import data, evaluation, zoo
+from kvpolicy import evaluation, zoo
+from kvpolicy.zoo import text as data
 
 model, tokenizer = zoo.load("smollm2-135m")
 t0 = time.perf_counter()

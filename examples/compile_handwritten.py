@@ -7,7 +7,7 @@ RoPE, repeat_interleave GQA, explicit matmul -> softmax -> matmul).
 import torch
 
 import kvpolicy
-from kvpolicy.testing import GptFast
+from kvpolicy.zoo.tiny import GptFast
 
 reference, model = GptFast(), GptFast()
 kvpolicy.compile_model(model, policy={"defaults": {"bits": 4, "residual": 16, "sinks": 2}})

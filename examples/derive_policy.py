@@ -4,7 +4,7 @@
 """
 
 import kvpolicy
-from kvpolicy.testing import GptFast, tiny_model
+from kvpolicy.zoo.tiny import GptFast, tiny_model
 
 # A transformers architecture with partial rotary (GPT-NeoX: 25 % of channels rotated).
 print(kvpolicy.derive_policy(tiny_model("gpt_neox"), bits=2))

@@ -7,7 +7,8 @@ graph implies, and see what it costs in decode-time perplexity.
 from pathlib import Path
 
 import kvpolicy
-from kvpolicy import data, evaluation, zoo
+from kvpolicy import evaluation, zoo
+from kvpolicy.zoo import text as data
 
 yaml_file = Path(__file__).with_name("keys_4bit_first_layers.yaml")
 _, tokenizer = zoo.load("smollm2-135m")

@@ -10,11 +10,9 @@ cache that attention reads directly.
     model.generate(...)
 """
 
-from .api import analyse_model, derive_policy, inspect, save_policy
-from .compiler import compile_model
+from .api import analyse_model, compile_model, derive_policy, inspect, save_policy
 from .errors import AnalysisError, CacheError, KVPolicyError, PolicyError, ZooError
-from .evaluation import evaluate
-from .model_cache import KVPolicyCache
+from .evaluation.run import evaluate
 from .policy import (
     Axis,
     Calibration,
@@ -24,6 +22,7 @@ from .policy import (
     TensorPolicy,
     load_spec,
 )
+from .runtime.cache import KVPolicyCache
 
 __version__ = "0.1.0"
 

@@ -1,25 +1,22 @@
 """Command line: ``kvpolicy inspect --model smollm2-135m [--bits 2] [--policy FILE]
-[--calibration FILE]``.
-
-Heavy imports (torch, transformers, the analysis) happen inside the commands so that
-``kvpolicy --help`` answers at once.
-"""
+[--calibration FILE]``, ``kvpolicy eval ...``, ``kvpolicy presets``."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from . import api, evaluation, zoo
+from .calibrate.budget import calibration_ids_from_file
 from .errors import KVPolicyError, ZooError
+from .policy import SUPPORTED_BITS, list_presets, load_spec
+from .zoo import tiny
 
 __all__ = ["main", "build_parser", "load_model"]
 
 _TINY_PREFIX = "tiny-"
-# Same set as kvpolicy.policy.SUPPORTED_BITS, repeated so that parsing needs no pydantic.
-_BITS = (1, 2, 3, 4, 8, 16)
 
 
 def _bits(text: str) -> int | float:
@@ -34,10 +31,10 @@ def _bits(text: str) -> int | float:
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not a number of bits (e.g. 2, or 2.5 for a budget)"
             ) from None
-    if isinstance(bits, int) and bits not in _BITS:
+    if isinstance(bits, int) and bits not in SUPPORTED_BITS:
         raise argparse.ArgumentTypeError(
-            f"{bits} is not a width; use one of {', '.join(map(str, _BITS))}, or a float such "
-            f"as {bits}.0 or 2.5 for a budget of average bits"
+            f"{bits} is not a width; use one of {', '.join(map(str, SUPPORTED_BITS))}, or a "
+            f"float such as {bits}.0 or 2.5 for a budget of average bits"
         )
     if isinstance(bits, float) and not 1 <= bits <= 16:
         raise argparse.ArgumentTypeError(f"a budget of {bits} bits is outside [1, 16]")
@@ -122,28 +119,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_model(name: str) -> Any:
-    """The model for ``--model``: ``tiny-<arch>`` from ``kvpolicy.testing``, else the zoo."""
+    """The model for ``--model``: ``tiny-<arch>`` from ``kvpolicy.zoo.tiny``, else the zoo."""
     if name.startswith(_TINY_PREFIX):
-        testing = importlib.import_module("kvpolicy.testing")
         try:
-            built = testing.tiny_model(name[len(_TINY_PREFIX) :])
+            built = tiny.tiny_model(name[len(_TINY_PREFIX) :])
         except KeyError as exc:  # unknown architecture: a user error, not a crash
             raise ZooError(f"--model {name}: {exc.args[0] if exc.args else exc}") from None
     else:
-        zoo = importlib.import_module("kvpolicy.zoo")
         built = zoo.load(name)
     # zoo.load returns (model, tokenizer); accept a bare model as well.
     return built[0] if isinstance(built, tuple) else built
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    # import_module (not `from . import api`) so that tests can stand in a module via
-    # sys.modules and so that nothing heavy loads before a command runs.
-    api = importlib.import_module("kvpolicy.api")
     extra: dict[str, Any] = {}
     if args.calibration is not None:
-        from .policy import load_spec
-
         if load_spec(args.policy, bits=args.bits).budget is None:
             given = f"--bits {args.bits}" + (f" with --policy {args.policy}" if args.policy
                                              else "")
@@ -154,8 +144,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             )
     model = load_model(args.model)
     if args.calibration is not None:
-        from .budget import calibration_ids_from_file
-
         extra["calibration"] = calibration_ids_from_file(model, args.calibration)
     policy = api.derive_policy(model, bits=args.bits, policy=args.policy, **extra)
     if args.save:
@@ -172,8 +160,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    evaluate = importlib.import_module("kvpolicy.evaluation")
-    report = evaluate.evaluate(
+    report = evaluation.evaluate(
         args.model, bits=args.bits, policy=args.policy, segments=args.segments,
         context=args.context, steps=args.steps, out=args.out, quick=args.quick,
         peers=not args.no_peers,
@@ -184,8 +171,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
-    from .policy import list_presets
-
     for name in list_presets():
         print(name)
     return 0

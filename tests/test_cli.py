@@ -1,6 +1,6 @@
 """Command line: argument parsing, output formats, exit codes.
 
-``kvpolicy.api``, ``kvpolicy.zoo`` and ``kvpolicy.testing`` are replaced by stand-in
+``kvpolicy.api``, ``kvpolicy.zoo`` and ``kvpolicy.zoo.tiny`` are replaced by stand-in
 modules here, so these tests need neither a model nor the analysis; the full
 ``inspect`` run on SmolLM2 lives with the end-to-end tests.
 """
@@ -16,10 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from kvpolicy.budget import calibration_ids_from_file
+from kvpolicy import cli
+from kvpolicy.analysis.facts import Contracted, LayerFacts, RopeFacts, RopeStyle, TensorFacts
+from kvpolicy.calibrate.budget import calibration_ids_from_file
 from kvpolicy.cli import main
 from kvpolicy.errors import KVPolicyError
-from kvpolicy.facts import Contracted, LayerFacts, RopeFacts, RopeStyle, TensorFacts
 from kvpolicy.policy import ModelPolicy, build_policy, load_spec
 
 
@@ -32,7 +33,7 @@ def _facts(n: int = 3) -> list[LayerFacts]:
 
 @pytest.fixture
 def fake(monkeypatch):
-    """Stand-ins for api/zoo/testing; records the calls made to them."""
+    """Stand-ins for the api, zoo and tiny-model modules the CLI calls; records the calls."""
     calls: dict[str, object] = {}
 
     def derive_policy(model, bits=2, policy=None):
@@ -49,14 +50,12 @@ def fake(monkeypatch):
             raise KeyError(f"no tiny model for architecture {arch!r}; known: llama")
         return f"tiny:{arch}"
 
-    for name, attrs in {
-        "kvpolicy.api": {"derive_policy": derive_policy},
-        "kvpolicy.zoo": {"load": load},
-        "kvpolicy.testing": {"tiny_model": tiny_model},
+    for attr, fns in {
+        "api": {"derive_policy": derive_policy},
+        "zoo": {"load": load},
+        "tiny": {"tiny_model": tiny_model},
     }.items():
-        module = types.ModuleType(name)
-        module.__dict__.update(attrs)
-        monkeypatch.setitem(sys.modules, name, module)
+        monkeypatch.setattr(cli, attr, types.SimpleNamespace(**fns))
     return calls
 
 

@@ -8,8 +8,9 @@ from torch import nn
 
 import kvpolicy
 from kvpolicy import AnalysisError, KVPolicyError, PolicyError
-from kvpolicy.model_cache import KVPolicyCache
-from kvpolicy.testing import TINY_ARCHITECTURES, GptFast, NanoGPT, tiny_model
+from kvpolicy.runtime.cache import KVPolicyCache
+from kvpolicy.state import compiled_of
+from kvpolicy.zoo.tiny import TINY_ARCHITECTURES, GptFast, NanoGPT, tiny_model
 
 # Small groups and window so that a few dozen tokens really get packed.
 SMALL = {"defaults": {"bits": 2, "group_size": 16, "residual": 16, "sinks": 2}}
@@ -170,7 +171,7 @@ def test_model_without_attention_is_left_usable():
     with pytest.raises(AnalysisError, match="no attention found"):
         kvpolicy.compile_model(model)
     torch.testing.assert_close(model(ids), before)
-    assert getattr(model, "_kvpolicy_compiled", None) is None
+    assert compiled_of(model) is None
 
 
 def test_policy_that_does_not_fit_leaves_model_usable():
@@ -253,4 +254,4 @@ def test_tiled_heads_are_refused_not_silently_regrouped():
     model = _TiledGQA()
     with pytest.raises(KVPolicyError, match="tiled by .*repeat"):
         kvpolicy.compile_model(model, policy={"defaults": {"group_size": 16}})
-    assert getattr(model, "_kvpolicy_compiled", None) is None
+    assert compiled_of(model) is None

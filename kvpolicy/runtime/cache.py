@@ -19,22 +19,18 @@ import logging
 from typing import Any
 
 import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .cache import PackedKVLayer
-from .errors import CacheError, KVPolicyError
-from .kernels.layout import QuantSpec, RotarySpec
-from .policy import ModelPolicy
+from ..errors import CacheError, KVPolicyError
+from ..kernels.layout import QuantSpec, RotarySpec
+from ..policy import ModelPolicy
+from ..state import compiled_of
+from .layer import PackedKVLayer
 
 __all__ = ["KVPolicyCache", "KVPolicyLayer", "RopeTable"]
 
 log = logging.getLogger(__name__)
 
-try:  # transformers is the optional "hf" extra
-    from transformers.cache_utils import Cache as _HFCache
-    from transformers.cache_utils import CacheLayerMixin as _HFLayer
-except ImportError:  # pragma: no cover - exercised only without transformers
-    _HFCache = object  # type: ignore[assignment,misc]
-    _HFLayer = object  # type: ignore[assignment,misc]
 
 
 class RopeTable:
@@ -85,7 +81,7 @@ class RopeTable:
         return 0 if self.cos is None else 2 * self.cos.numel() * self.cos.element_size()
 
 
-class KVPolicyLayer(_HFLayer):
+class KVPolicyLayer(CacheLayerMixin):
     """A transformers cache layer backed by a ``PackedKVLayer``.
 
     Compiled attention appends and attends through ``packed`` directly; ``update()`` is
@@ -143,7 +139,7 @@ class KVPolicyLayer(_HFLayer):
         )
 
 
-class KVPolicyCache(_HFCache):
+class KVPolicyCache(Cache):
     """The cache of a model compiled by ``kvpolicy.compile_model``.
 
     Created automatically by ``model(..., use_cache=True)`` and ``model.generate``;
@@ -164,7 +160,7 @@ class KVPolicyCache(_HFCache):
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> KVPolicyCache:
-        compiled = getattr(model, "_kvpolicy_compiled", None)
+        compiled = compiled_of(model)
         if compiled is None:
             raise KVPolicyError(
                 f"{type(model).__name__} is not compiled; call kvpolicy.compile_model first"

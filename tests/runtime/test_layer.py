@@ -9,11 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpolicy.cache import PackedKVLayer
 from kvpolicy.errors import CacheError
 from kvpolicy.kernels import reference as ref
 from kvpolicy.kernels.layout import QuantSpec, RotarySpec
-from kvpolicy.testing import rope_spec
+from kvpolicy.runtime import layer as layer_module
+from kvpolicy.runtime.layer import PackedKVLayer
+from kvpolicy.zoo.tiny import rope_spec
 
 K2 = QuantSpec(2, 32, "channel")
 V2 = QuantSpec(2, 32, "token")
@@ -258,6 +259,23 @@ def test_triton_backend_missing_is_a_clear_error(monkeypatch) -> None:
     with pytest.raises(CacheError, match="backend='torch'"):
         layer.append(torch.randn(1, 1, 4, 64), torch.randn(1, 1, 4, 64))
     assert layer.seq_len == 0
+
+
+def test_backend_is_selected_once_per_device(monkeypatch) -> None:
+    calls = []
+    select = layer_module.select
+
+    def counting(backend, device):
+        calls.append((backend, device))
+        return select(backend, device)
+
+    monkeypatch.setattr(layer_module, "select", counting)
+    layer = PackedKVLayer(K2, V2, residual=8, sinks=2, rope=ROPES["half"], backend="auto")
+    for _ in range(3):
+        layer.append(torch.randn(1, 3, 40, 64), torch.randn(1, 3, 40, 64))
+        layer.attend(torch.randn(1, 6, 1, 64))
+    layer.dequantized()
+    assert calls == [("auto", torch.device("cpu"))]
 
 
 def test_reorder_matches_a_cache_built_from_reordered_rows() -> None:

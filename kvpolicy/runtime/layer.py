@@ -12,85 +12,27 @@ never re-quantized. Packing therefore happens at the same token indices whether 
 arrive one at a time or in bulk, so both give bit-identical caches.
 
 Keys may be stored *before* RoPE (``rope`` given): every key keeps its absolute position
-and is rotated after dequantization inside attention (DESIGN.md §2). Attention runs per
-segment and the partial results are merged by log-sum-exp, so sinks, packed groups and
-residual share one softmax.
+and is rotated after dequantization inside attention (docs/design.md §2). Attention runs
+over the packed segment and the full-precision one (sinks and residual) and the partial
+results are merged by log-sum-exp, so sinks, packed groups and residual share one softmax.
+The kernels are those of one :class:`~kvpolicy.kernels.contract.Backend` record, chosen
+once per device (:func:`kvpolicy.kernels.backend.select`).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
 import torch
 
-from .errors import CacheError
-from .kernels import reference as _ref
-from .kernels import torch_backend as _torch_backend
-from .kernels.layout import Packed, QuantSpec, RotarySpec
+from ..errors import CacheError
+from ..kernels.backend import Backend, check_name, select
+from ..kernels.layout import Packed, QuantSpec, RotarySpec
+from ..kernels.masks import causal_mask, to_additive
+from .growing import Growing
 
 __all__ = ["PackedKVLayer"]
-
-log = logging.getLogger(__name__)
-
-_BACKENDS = ("auto", "torch", "triton")
-
-
-class _Growing:
-    """A tensor that grows along one dim with spare capacity (amortised O(1) appends).
-
-    Only ``[:n]`` along ``dim`` is meaningful; ``view()`` is a narrow() of the storage.
-    """
-
-    def __init__(self, dim: int) -> None:
-        self.dim = dim
-        self.data: torch.Tensor | None = None
-        self.n = 0
-
-    def view(self) -> torch.Tensor | None:
-        return None if self.data is None else self.data.narrow(self.dim, 0, self.n)
-
-    def appended(self, t: torch.Tensor) -> _Growing:
-        """A new buffer holding ``self`` then ``t`` (``self`` is left untouched if possible)."""
-        out = _Growing(self.dim)
-        add = t.shape[self.dim]
-        need = self.n + add
-        cap = 0 if self.data is None else self.data.shape[self.dim]
-        if self.data is not None and need <= cap:
-            # Writing past `n` does not change what `self.view()` returns.
-            self.data.narrow(self.dim, self.n, add).copy_(t)
-            out.data = self.data
-        else:
-            # NOTE: grow by 1.25x, not 2x: the point of this cache is memory, and copies
-            # happen once per chunk (every >= 32 decode steps), not once per token.
-            new_cap = max(need, int(cap * 1.25) + 1)
-            shape = list(t.shape)
-            shape[self.dim] = new_cap
-            data = t.new_empty(shape)
-            if self.data is not None and self.n:
-                data.narrow(self.dim, 0, self.n).copy_(self.view())
-            data.narrow(self.dim, self.n, add).copy_(t)
-            out.data = data
-        out.n = need
-        return out
-
-    def index_select(self, index: torch.Tensor) -> _Growing:
-        out = _Growing(self.dim)
-        if self.data is not None:
-            out.data = self.view().index_select(0, index).contiguous()
-            out.n = self.n
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        v = self.view()
-        return 0 if v is None else v.numel() * v.element_size()
-
-    @property
-    def allocated_bytes(self) -> int:
-        d = self.data
-        return 0 if d is None else d.numel() * d.element_size()
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -136,8 +78,7 @@ class PackedKVLayer:
             raise CacheError("key_spec and value_spec must be kvpolicy QuantSpec instances")
         if residual < 0 or sinks < 0:
             raise CacheError(f"residual={residual} and sinks={sinks} must be >= 0")
-        if backend not in _BACKENDS:
-            raise CacheError(f"backend={backend!r} is not one of {_BACKENDS}")
+        check_name(backend)
         if dtype is not None and not dtype.is_floating_point:
             raise CacheError(f"dtype={dtype} is not a floating dtype; use bfloat16/float16/32")
         self.key_spec = key_spec
@@ -151,7 +92,7 @@ class PackedKVLayer:
         self.backend = backend
         self.dtype = dtype
         self.chunk = math.lcm(key_spec.token_group, value_spec.token_group)
-        self._warned_triton = False
+        self._chosen: tuple[torch.device, Backend] | None = None  # see _kernels
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -161,8 +102,8 @@ class PackedKVLayer:
         self._device: torch.device | None = None
         self._sink_k: torch.Tensor | None = None  # [B, Hkv, s, Dk]
         self._sink_v: torch.Tensor | None = None
-        self._pk = (_Growing(2), _Growing(2), _Growing(2))  # codes, scale, zero
-        self._pv = (_Growing(2), _Growing(2), _Growing(2))
+        self._pk = (Growing(2), Growing(2), Growing(2))  # codes, scale, zero
+        self._pv = (Growing(2), Growing(2), Growing(2))
         self._n_packed = 0
         self._packed_views: tuple[Packed, Packed] | None = None
         self._res_k: torch.Tensor | None = None  # [B, Hkv, r, Dk]
@@ -170,7 +111,7 @@ class PackedKVLayer:
         # NOTE: positions are stored as int32: at 2 bits with SmolLM2 shapes a token costs
         # ~150 bytes per layer, and int64 positions alone would take the 32K compression
         # below 5x (bench/cache_memory.py). Only stored for pre-RoPE keys.
-        self._pos = _Growing(1)  # [B, total] int32
+        self._pos = Growing(1)  # [B, total] int32
         self._max_pos = -1  # largest stored position: checked against a table per attend
 
     def clear(self) -> None:
@@ -299,24 +240,12 @@ class PackedKVLayer:
 
     # ------------------------------------------------------------------ backend
 
-    def _kernels(self, device: torch.device) -> tuple[Any, Any]:
-        """(quantize, packed_attention_partial) for this backend and device."""
-        use_triton = self.backend == "triton" or (self.backend == "auto" and device.type == "cuda")
-        if not use_triton:
-            return _torch_backend.quantize, _torch_backend.packed_attention_partial
-        try:
-            from .kernels import triton_attention, triton_quant
-        except ImportError as e:  # the Triton half may be missing on this install
-            if self.backend == "triton":
-                raise CacheError(
-                    f"backend='triton' needs kvpolicy.kernels.triton_attention and "
-                    f"triton_quant, which failed to import ({e}); use backend='torch'"
-                ) from e
-            if not self._warned_triton:
-                log.warning("Triton kernels unavailable (%s); using the torch backend", e)
-                self._warned_triton = True
-            return _torch_backend.quantize, _torch_backend.packed_attention_partial
-        return triton_quant.quantize, triton_attention.packed_attention_partial
+    def _kernels(self, device: torch.device) -> Backend:
+        """The backend record for ``device``, selected on first use and kept (a cleared
+        layer may be refilled on another device, hence the key)."""
+        if self._chosen is None or self._chosen[0] != device:
+            self._chosen = (device, select(self.backend, device))
+        return self._chosen[1]
 
     # ------------------------------------------------------------------ append
 
@@ -335,7 +264,7 @@ class PackedKVLayer:
         b, h, t, dk = key.shape
         if t == 0:
             return
-        quantize, _ = self._kernels(key.device)
+        quantize = self._kernels(key.device).quantize
         # Build the new state in locals, then commit: nothing below raises on valid input,
         # and an unexpected failure (e.g. out of memory) leaves the old state in place.
         store = key.dtype
@@ -390,7 +319,7 @@ class PackedKVLayer:
         if self._packed_views is not None:
             return self._packed_views
 
-        def seg(bufs: tuple[_Growing, ...]) -> Packed:
+        def seg(bufs: tuple[Growing, ...]) -> Packed:
             codes = bufs[0].view()
             assert codes is not None
             empty = codes.new_empty(0, dtype=self._store_dtype())
@@ -420,8 +349,9 @@ class PackedKVLayer:
             vs.append(self._sink_v.to(store))
         if self._n_packed:
             pk, pv = self._packed()
-            ks.append(_ref.dequantize(pk, self.key_spec, store))
-            vs.append(_ref.dequantize(pv, self.value_spec, store))
+            dequantize = self._kernels(self._device).dequantize
+            ks.append(dequantize(pk, self.key_spec, store))
+            vs.append(dequantize(pv, self.value_spec, store))
         if self._res_k is not None:
             ks.append(self._res_k.to(store))
             vs.append(self._res_v.to(store))
@@ -505,39 +435,25 @@ class PackedKVLayer:
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         mask = self._additive_mask(attn_mask, causal, tq, total, query.device)
         ns, npk = self.n_sinks, self._n_packed
-        _, packed_attention = self._kernels(query.device)
-        qf = query.float()
-        if npk and packed_attention is _torch_backend.packed_attention_partial:
-            out = self._attend_fused(qf, scale, mask, rope)
-            if out is not None:
-                return out.to(query.dtype)
-        parts = []
+        pk = pv = kpos = fpos = pmask = fmask = None
         if npk:
             pk, pv = self._packed()
-            kpos = None
-            if rope is not None:
-                kpos = self._pos.view()[:, ns : ns + npk].long()
-            m = None if mask is None else mask[..., ns : ns + npk]
-            parts.append(
-                packed_attention(
-                    qf, pk, pv, self.key_spec, self.value_spec,
-                    scale=scale, mask=self._drop_if_open(m), rope=rope, k_positions=kpos,
-                )
-            )
-        # Sinks and residual are both full precision: one segment, one matmul pair.
-        k, v = self._fp_segment()
-        if k is not None and v is not None:
-            if rope is not None:
-                p = self._pos.view()
-                fpos = torch.cat((p[:, :ns], p[:, ns + npk :]), dim=1).long()
-                k = _ref.apply_rope(k.float(), fpos, rope)
-            m = None
-            if mask is not None:
-                m = torch.cat((mask[..., :ns], mask[..., ns + npk :]), dim=-1)
-            parts.append(
-                _torch_backend.attention_partial(qf, k, v, scale=scale, mask=self._drop_if_open(m))
-            )
-        out = parts[0][0] if len(parts) == 1 else _ref.merge_partials(parts)
+        fk, fv = self._fp_segment()
+        if rope is not None:
+            p = self._pos.view()
+            kpos = p[:, ns : ns + npk]
+            fpos = torch.cat((p[:, :ns], p[:, ns + npk :]), dim=1)
+        if mask is not None:
+            if npk:
+                pmask = self._drop_if_open(mask[..., ns : ns + npk])
+            if fk is not None:
+                pieces = (mask[..., :ns], mask[..., ns + npk :])
+                fmask = self._drop_if_open(torch.cat(pieces, dim=-1))
+        out, _ = self._kernels(query.device).decode_attention(
+            query.float(), pk, pv, self.key_spec, self.value_spec, fk, fv,
+            scale=scale, mask=pmask, fp_mask=fmask, rope=rope,
+            k_positions=kpos, fp_positions=fpos, check_positions=False,  # checked above
+        )
         return out.to(query.dtype)
 
     def _fp_segment(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -549,31 +465,6 @@ class PackedKVLayer:
         if len(fk) == 1:
             return fk[0], fv[0]
         return torch.cat(fk, dim=2), torch.cat(fv, dim=2)
-
-    def _attend_fused(
-        self, qf: torch.Tensor, scale: float, mask: torch.Tensor | None, rope: RotarySpec | None
-    ) -> torch.Tensor | None:
-        """All three segments in one C++ call (CPU torch backend); None if not covered."""
-        ns, npk = self.n_sinks, self._n_packed
-        pk, pv = self._packed()
-        fk, fv = self._fp_segment()
-        kpos = fpos = None
-        if rope is not None:
-            p = self._pos.view()
-            kpos = p[:, ns : ns + npk]
-            fpos = torch.cat((p[:, :ns], p[:, ns + npk :]), dim=1)
-        pmask = fmask = None
-        if mask is not None:
-            pmask = self._drop_if_open(mask[..., ns : ns + npk])
-            fmask = self._drop_if_open(
-                torch.cat((mask[..., :ns], mask[..., ns + npk :]), dim=-1)
-            )
-        got = _torch_backend.fused_attention(
-            qf, pk, pv, self.key_spec, self.value_spec, fk, fv,
-            scale=scale, mask=pmask, fp_mask=fmask, rope=rope,
-            k_positions=kpos, fp_positions=fpos, check_positions=False,  # checked in attend
-        )
-        return None if got is None else got[0]
 
     @staticmethod
     def _drop_if_open(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -587,18 +478,10 @@ class PackedKVLayer:
         attn_mask: torch.Tensor | None, causal: bool, tq: int, total: int, device: torch.device
     ) -> torch.Tensor | None:
         if attn_mask is not None:
-            if attn_mask.dtype == torch.bool:
-                zero = torch.zeros((), device=device)
-                return torch.where(attn_mask.to(device), zero, float("-inf"))
-            return attn_mask.to(device, torch.float32)
+            return to_additive(attn_mask, device)
         if not causal or tq == 1:
             return None  # a single query at the end sees every cached token
-        i = torch.arange(tq, device=device)[:, None]
-        j = torch.arange(total, device=device)[None, :]
-        hidden = j > total - tq + i
-        return torch.zeros(tq, total, device=device).masked_fill_(hidden, float("-inf"))[
-            None, None
-        ]
+        return causal_mask(tq, total, device)[None, None]
 
     # ------------------------------------------------------------------ misc
 

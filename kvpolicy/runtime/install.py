@@ -1,0 +1,258 @@
+"""Install a compiled model: the per-layer block forwards and the model's cache wiring.
+
+Each compiled attention layer's ``forward`` becomes a ``_BlockForward``: it flattens the
+call exactly as it was traced, finds the cache among the arguments, picks the rewritten
+graph of that call structure (a ``KindGraph``; one ``GraphModule`` per layer, bound to the
+layer's own parameters and built on its first call) and runs it with the layer's packed
+cache in ``attend.CURRENT``. The model's ``forward`` and ``generate`` are wrapped so that
+they create a ``KVPolicyCache`` where transformers would create its own.
+
+Runtime state lives in three places, each for a reason: the ``CompiledModel`` on the model
+(``kvpolicy.state``); the ``KVPolicyCache`` the caller holds (or, for a call without one, the
+cache of that one whole-model call, ``_CALL``); and ``attend.CURRENT``, the layer
+a block call writes to, set around each call so that the graph needs no cache argument.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import copy
+import functools
+import inspect as _inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from ..analysis.analyse import ModelAnalysis
+from ..analysis.trace import is_cache_object
+from ..errors import KVPolicyError
+from ..policy import ModelPolicy
+from ..state import state_of
+from .attend import CURRENT, AttendContext, KVAttend
+from .cache import KVPolicyCache
+
+__all__ = [
+    "CompiledModel", "KindGraph", "call_signature", "flatten_call", "install",
+    "layer_graph_module", "resolve_attr", "run_block",
+]
+
+log = logging.getLogger(__name__)
+
+class _CallScope:
+    """One whole-model call. A block called without a cache argument (nanoGPT-style
+    models, ``use_cache=False``) uses this call's cache, built on the first such block."""
+
+    def __init__(self, compiled: CompiledModel) -> None:
+        self.compiled = compiled
+        self._cache: KVPolicyCache | None = None
+
+    def cache(self) -> KVPolicyCache:
+        if self._cache is None:
+            self._cache = self.compiled.new_cache()
+        return self._cache
+
+
+_CALL: contextvars.ContextVar[_CallScope | None] = contextvars.ContextVar(
+    "kvpolicy_call", default=None
+)
+
+
+def call_signature(leaves: list) -> tuple:
+    """What a traced graph depends on: tensor ranks/dtypes and non-tensor values."""
+    out = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            out.append(("T", x.dim(), x.dtype))
+        elif isinstance(x, (int, float, bool, str, type(None))):
+            out.append(("V", x))
+        else:
+            out.append(("O", type(x).__name__))
+    return tuple(out)
+
+
+def flatten_call(args: tuple, kwargs: dict):
+    """Drop the cache object; return (cache, leaves, treespec)."""
+    # NOTE: runs once per layer per decode step: plain ``tree_flatten`` (no key paths) and
+    # one pass over the leaves; key paths cost ~2 ms per SmolLM2 step.
+    leaves, spec = pytree.tree_flatten((args, kwargs), is_leaf=is_cache_object)
+    cache = None
+    for i, x in enumerate(leaves):
+        if is_cache_object(x):
+            cache, leaves[i] = x, None
+    return cache, leaves, spec
+
+
+@dataclass
+class KindGraph:
+    """One rewritten graph of a block kind for one call structure."""
+
+    graph: fx.Graph
+    attend: KVAttend
+    consts: dict[str, Any]  # get_attr targets that are not the layer's own parameters
+    per_layer: dict[int, fx.GraphModule] = field(default_factory=dict)
+
+
+def resolve_attr(root: nn.Module, target: str):
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _Wrapper(nn.Module):
+    """Mimics the traced ``_FlatCall`` root so that ``module.*`` targets resolve."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "module", module)  # not registered: no ownership
+
+
+def layer_graph_module(kg: KindGraph, module: nn.Module) -> fx.GraphModule:
+    root: dict[str, Any] = {"kvpolicy_attend": kg.attend, **kg.consts}
+    w = _Wrapper(module)
+    for n in kg.graph.nodes:
+        if n.op == "get_attr" and n.target.startswith("module."):
+            root[n.target] = resolve_attr(w, n.target)
+    return fx.GraphModule(root, copy.deepcopy(kg.graph), class_name="KVPolicyBlock")
+
+
+@dataclass
+class CompiledModel:
+    """What ``compile_model`` attaches to a model (``kvpolicy.state.ModelState.compiled``)."""
+
+    policy: ModelPolicy
+    backend: str
+    analysis: ModelAnalysis
+    kinds: dict[str, dict[tuple, KindGraph]]  # block kind -> call signature -> graph
+    layer_kind: list[str]
+    cache_kw: str | None = None
+
+    model_dtype: torch.dtype | None = None
+
+    def new_cache(self) -> KVPolicyCache:
+        return KVPolicyCache(self.policy, backend=self.backend, model_dtype=self.model_dtype)
+
+
+class _BlockForward:
+    """The installed ``forward`` of one compiled attention layer."""
+
+    def __init__(self, compiled: CompiledModel, module: nn.Module, layer: int) -> None:
+        self.compiled, self.module, self.layer = compiled, module, layer
+
+    def _graph(self, leaves, spec) -> fx.GraphModule:
+        kind = self.compiled.layer_kind[self.layer]
+        sig = (spec, call_signature(leaves))
+        graphs = self.compiled.kinds[kind]
+        kg = graphs.get(sig)
+        if kg is None:
+            known = next(iter(graphs))
+            raise KVPolicyError(
+                f"attention layer {self.layer} was called with arguments that differ from "
+                f"the calls kvpolicy traced ({_diff(known, sig)}); kvpolicy traces each "
+                "call structure at compile time (plain and left-padded batches for "
+                "transformers models)"
+            )
+        gm = kg.per_layer.get(self.layer)
+        if gm is None:
+            gm = kg.per_layer[self.layer] = layer_graph_module(kg, self.module)
+        return gm
+
+    def __call__(self, *args, **kwargs):
+        cache, leaves, spec = flatten_call(args, kwargs)
+        gm = self._graph(leaves, spec)
+        if cache is not None and not isinstance(cache, KVPolicyCache):
+            raise KVPolicyError(
+                f"attention layer {self.layer} got a {type(cache).__name__}; a model compiled "
+                "by kvpolicy stores its keys and values in a KVPolicyCache. Let the model "
+                "create one (use_cache=True) or pass kvpolicy.KVPolicyCache.for_model(model)"
+            )
+        if cache is None:
+            scope = _CALL.get()
+            cache = scope.cache() if scope is not None else self.compiled.new_cache()
+        return run_block(gm, cache, self.layer, leaves)
+
+
+def run_block(gm: fx.GraphModule, cache: KVPolicyCache, layer: int, leaves: list) -> Any:
+    """Run one layer's rewritten graph on the tensors of a flattened call, with ``cache``'s
+    packed layer ``layer`` as the one its ``KVAttend`` appends to and attends over."""
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    token = CURRENT.set(AttendContext(layer=cache.packed_layer(layer), cache=cache))
+    try:
+        return gm(*tensors)
+    finally:
+        CURRENT.reset(token)
+
+
+def _diff(a: tuple, b: tuple) -> str:
+    if a[0] != b[0]:
+        return "different arguments were passed"
+    for i, (x, y) in enumerate(zip(a[1], b[1], strict=False)):
+        if x != y:
+            return f"argument {i}: traced {x}, got {y}"
+    return "different argument count"
+
+
+def install(model: nn.Module, compiled: CompiledModel) -> None:
+    """Replace the ``forward`` of every compiled attention layer and wire the model's
+    ``forward``/``generate`` to create a ``KVPolicyCache``. Cannot fail: everything that
+    can was checked at compile time."""
+    for i, module in enumerate(compiled.analysis.modules):
+        module.forward = _BlockForward(compiled, module, i)
+    _install_model_hooks(model, compiled)
+    st = state_of(model)
+    st.compiled, st.policy = compiled, compiled.policy
+
+
+def _install_model_hooks(model: nn.Module, compiled: CompiledModel) -> None:
+    """Make ``model(...)`` and ``model.generate(...)`` create a KVPolicyCache."""
+    orig_forward = model.forward
+    has_use_cache = "use_cache" in _inspect.signature(orig_forward).parameters
+    kw = compiled.cache_kw
+
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+    def check_length(args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if not isinstance(ids, torch.Tensor) or ids.dim() < 2 or not limit:
+            return
+        cache = kwargs.get("cache") or kwargs.get("past_key_values")
+        past = cache.get_seq_length() if isinstance(cache, KVPolicyCache) else 0
+        if past + ids.shape[1] > limit:
+            raise KVPolicyError(
+                f"{past + ids.shape[1]} tokens ({past} cached + {ids.shape[1]} new) exceed "
+                f"the model's max_position_embeddings={limit}; shorten the input"
+            )
+
+    @functools.wraps(orig_forward)
+    def forward(*args, **kwargs):
+        check_length(args, kwargs)
+        if kw is not None and has_use_cache:
+            use = kwargs.get("use_cache")
+            if use is None:
+                use = getattr(getattr(model, "config", None), "use_cache", False)
+            given = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
+            if use and not given:
+                kwargs[kw] = compiled.new_cache()
+        token = _CALL.set(_CallScope(compiled))
+        try:
+            return orig_forward(*args, **kwargs)
+        finally:
+            _CALL.reset(token)
+
+    model.forward = forward
+    if hasattr(model, "generate") and kw is not None:
+        orig_generate = model.generate
+
+        @functools.wraps(orig_generate)
+        def generate(*args, **kwargs):
+            if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+                kwargs[kw] = compiled.new_cache()
+            return orig_generate(*args, **kwargs)
+
+        model.generate = generate
