@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from one_block import OneBlockLM
 from torch import nn
 
 from kvpolicy import AnalysisError, analyse_model, derive_policy
@@ -102,19 +103,6 @@ def test_gpt_fast_with_its_own_cache_buffers():
 # ---------------------------------------------------------------------------------------
 
 
-class _LM(nn.Module):
-    """Embedding -> one attention module -> head: enough for the probe forward."""
-
-    def __init__(self, attn: nn.Module, dim: int = 64, vocab: int = 50) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.attn = attn
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, ids):
-        return self.head(self.attn(self.emb(ids)))
-
-
 class _Proj(nn.Module):
     def __init__(self, dim=64, heads=2) -> None:
         super().__init__()
@@ -179,7 +167,7 @@ def _source_weight(analysis, tensor: str) -> str:
 
 @pytest.mark.parametrize("attn_cls", [EinsumAttention, TransposedKeyAttention])
 def test_layout_does_not_decide(attn_cls):
-    analysis = analyse_model(_LM(attn_cls()))
+    analysis = analyse_model(OneBlockLM(attn_cls()))
     lf = analysis.layers[0]
     assert lf.key.contracted is Contracted.CHANNEL
     assert lf.value.contracted is Contracted.TOKEN
@@ -188,7 +176,7 @@ def test_layout_does_not_decide(attn_cls):
 
 
 def test_transposed_key_cache_point_keeps_its_layout():
-    analysis = analyse_model(_LM(TransposedKeyAttention()))
+    analysis = analyse_model(OneBlockLM(TransposedKeyAttention()))
     block = next(iter(analysis.blocks.values()))
     point = block.key_point
     # In [B, H, D, T] the channel dim is 2 and the token dim 3 (or their [B, T, H, D]
@@ -198,7 +186,7 @@ def test_transposed_key_cache_point_keeps_its_layout():
 
 
 def test_roles_are_decided_by_the_computation_not_names():
-    analysis = analyse_model(_LM(SwappedRolesAttention()))
+    analysis = analyse_model(OneBlockLM(SwappedRolesAttention()))
     assert _source_weight(analysis, "key").endswith("v_proj.weight")
     assert _source_weight(analysis, "value").endswith("k_proj.weight")
     assert analysis.layers[0].key.contracted is Contracted.CHANNEL
@@ -258,23 +246,23 @@ class _CoreAttention(nn.Module):
 
 
 def test_no_attention_is_a_clear_error():
-    with pytest.raises(AnalysisError, match="no attention found in _LM"):
-        analyse_model(_LM(_MLP()))
+    with pytest.raises(AnalysisError, match="no attention found in OneBlockLM"):
+        analyse_model(OneBlockLM(_MLP()))
 
 
 def test_key_from_an_unknown_op_names_the_node():
     with pytest.raises(AnalysisError, match=r"cannot follow the attention operand back .*getitem"):
-        analyse_model(_LM(SortedKeyAttention()))
+        analyse_model(OneBlockLM(SortedKeyAttention()))
 
 
 def test_two_candidate_caches():
     with pytest.raises(AnalysisError, match="two candidate caches"):
-        analyse_model(_LM(OwnPastAttention()))
+        analyse_model(OneBlockLM(OwnPastAttention()))
 
 
 def test_key_entering_as_an_input_is_explained():
     with pytest.raises(AnalysisError, match=r"enters the attention block as an input \(args\[1"):
-        analyse_model(_LM(KeyFromOutside()))
+        analyse_model(OneBlockLM(KeyFromOutside()))
 
 
 # ---------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import networkx as nx
 import pytest
 import torch
 import torch.nn.functional as F
+from one_block import OneBlockLM
 from torch import fx, nn
 
 from kvpolicy.analysis.analyse import (
@@ -214,19 +215,6 @@ def test_no_rope_fused_qkv_reads_the_split_key():
 # ---------------------------------------------------------------------------------------
 
 
-class _LM(nn.Module):
-    """Embedding -> one attention module -> head: enough for the probe forward."""
-
-    def __init__(self, attn: nn.Module, dim: int = 64, vocab: int = 50) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.attn = attn
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, ids):
-        return self.head(self.attn(self.emb(ids)))
-
-
 class _Heads(nn.Module):
     def __init__(self, dim: int = 64, heads: int = 2, kv_heads: int | None = None) -> None:
         super().__init__()
@@ -285,7 +273,7 @@ _SUPPORTED = {
 @pytest.mark.parametrize("case", sorted(_SUPPORTED))
 def test_scale_and_mask_between_scores_and_softmax(case):
     between, scale, kind, dtype = _SUPPORTED[case]
-    b = _block(_LM(_Between(between)))
+    b = _block(OneBlockLM(_Between(between)))
     res = _rewrite(b, pre_rope=False)
     g = res.graph
     q, k, v, mask, cos, sin = _attend_node(g).args
@@ -315,7 +303,7 @@ _REFUSED = {
 @pytest.mark.parametrize("case", sorted(_REFUSED))
 def test_an_unsupported_op_before_the_softmax_is_refused_by_name(case):
     between, message = _REFUSED[case]
-    b = _block(_LM(_Between(between)))
+    b = _block(OneBlockLM(_Between(between)))
     with pytest.raises(KVPolicyError, match=message):
         _rewrite(b, pre_rope=False)
 
@@ -328,7 +316,7 @@ class _SdpaMask(_Heads):
 
 
 def test_sdpa_mask_is_handed_over():
-    res = _rewrite(_block(_LM(_SdpaMask())), pre_rope=False)
+    res = _rewrite(_block(OneBlockLM(_SdpaMask())), pre_rope=False)
     mask = _attend_node(res.graph).args[3]
     assert res.attend.mask_kind == "sdpa" and not res.attend.causal
     assert op_name(mask) == "triu"
@@ -354,13 +342,13 @@ class _Gqa(_Heads):
 
 
 def test_repeat_tiled_gqa_is_refused():
-    b = _block(_LM(_Gqa("repeat")))
+    b = _block(OneBlockLM(_Gqa("repeat")))
     with pytest.raises(KVPolicyError, match=r"tiled by %repeat"):
         _rewrite(b, pre_rope=False)
 
 
 def test_repeat_interleave_gqa_reads_the_kv_heads():
-    res = _rewrite(_block(_LM(_Gqa("repeat_interleave"))), pre_rope=False)
+    res = _rewrite(_block(OneBlockLM(_Gqa("repeat_interleave"))), pre_rope=False)
     q, k, v, *_ = _attend_node(res.graph).args
     def static(node):  # heads and head_dim, wherever the layout puts them
         return [int(s) for s in shape_of(node) if not is_symbolic(s)]
