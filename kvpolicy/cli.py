@@ -105,8 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="code bits when no --policy is given (default 2; a float is a budget)")
     ev.add_argument("--policy", metavar="FILE_OR_PRESET", help="a YAML file or preset name")
     ev.add_argument("--segments", type=int, default=4, help="pydoc segments (default 4)")
-    ev.add_argument("--context", type=int, default=768, help="prefill tokens (default 768)")
+    ev.add_argument("--context", type=int, default=768,
+                    help="prefill tokens (default 768); context + steps may be up to the "
+                    "model's max_position_embeddings (8192 for smollm2-135m)")
     ev.add_argument("--steps", type=int, default=256, help="scored decode steps (default 256)")
+    ev.add_argument("--retrieval", type=int, default=None, metavar="L",
+                    help="retrieval check: SEGMENTS passages of L pydoc tokens, each followed "
+                    "by itself, scored on the second copy (top-1 accuracy, perplexity) for fp, "
+                    "the derived policy, budget 2.5 and quanto; 0 skips it (default "
+                    f"{evaluation.RETRIEVAL_TOKENS}, or half the model's positions if fewer; "
+                    "about L decode steps per run)")
     ev.add_argument("--out", metavar="DIR", default="eval-out", help="output folder")
     ev.add_argument("--quick", action="store_true",
                     help="a tiny random model and short text: a smoke test in seconds")
@@ -163,7 +171,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     report = evaluation.evaluate(
         args.model, bits=args.bits, policy=args.policy, segments=args.segments,
         context=args.context, steps=args.steps, out=args.out, quick=args.quick,
-        peers=not args.no_peers,
+        peers=not args.no_peers, retrieval=args.retrieval,
     )
     print(report.to_markdown().rstrip("\n"))
     print(f"\nwritten to {args.out}/ (report.md, report.json, plots)")

@@ -39,6 +39,7 @@ __all__ = [
     "peer_decode_perplexity",
     "cache_bytes",
     "best_quanto_axes",
+    "check_token_groups",
 ]
 
 PEER_KINDS = ("fp", "quanto")
@@ -239,7 +240,7 @@ def peer_decode_perplexity(
                       cache_bytes(res.cache), res.nll, res.cache)
 
 
-def _check_token_groups(model: torch.nn.Module, context: int, residual: int,
+def check_token_groups(model: torch.nn.Module, context: int, residual: int,
                         group_size: int) -> None:
     """Refuse settings with which quanto's ``axis=-1`` grouping would fail mid-run.
 
@@ -284,7 +285,7 @@ def best_quanto_axes(
         PolicyError: ``group_size`` does not divide ``kv_heads * context`` or
             ``kv_heads * residual`` (quanto would fail at its first ``axis=-1`` grouping).
     """
-    _check_token_groups(model, context, residual, group_size)
+    check_token_groups(model, context, residual, group_size)
     results: dict[tuple[int, int], PeerResult] = {}
     for ak, av in itertools.product(_QUANTO_AXES, repeat=2):
         def factory(ak: int = ak, av: int = av):

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunResult", "EvalReport", "frontier_points", "frontier_dominance", "write_report"]
+__all__ = ["RunResult", "RetrievalResult", "EvalReport", "frontier_points", "frontier_dominance",
+           "write_report"]
 
 
 @dataclass
@@ -41,6 +42,11 @@ class RunResult:
     # The same figure measured on the cache held at the end of the eval: bytes of codes,
     # scales and zeros divided by the quantized tokens (a cross-check of bytes_per_token).
     measured_bytes_per_token: float | None = None
+    # On the same decode steps as the full-precision run: mean KL(fp || this run) of the
+    # next-token distributions per scored token (nats), and the share of steps whose argmax
+    # equals fp's.
+    kl: float | None = None
+    top1_agreement: float | None = None
 
     @property
     def steady_compression(self) -> float | None:
@@ -48,6 +54,19 @@ class RunResult:
         if self.bytes_per_token and self.fp16_bytes_per_token:
             return self.fp16_bytes_per_token / self.bytes_per_token
         return None
+
+
+@dataclass
+class RetrievalResult:
+    """One run of the retrieval check (:mod:`kvpolicy.evaluation.retrieval`): scored on the
+    second copy of each passage."""
+
+    name: str
+    top1: float  # share of scored tokens the model's argmax predicts
+    perplexity: float
+    tokens: int  # scored tokens, passages x steps
+    agreement: float | None  # share of steps whose argmax equals the fp run's
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -64,6 +83,9 @@ class EvalReport:
     notes: list[str] = field(default_factory=list)
     # Budgets, their shared calibration (source, tokens, seconds) and dominance results.
     frontier: dict[str, Any] | None = None
+    retrieval: list[RetrievalResult] = field(default_factory=list)
+    # The retrieval check's passages: {"passages", "length", "prefix", "steps", "source"}.
+    retrieval_setup: dict[str, Any] | None = None
 
     def run(self, name: str) -> RunResult:
         """The run called ``name``."""
@@ -77,22 +99,28 @@ class EvalReport:
             f"# kvpolicy eval: {self.model}",
             "",
             f"{self.segments} segment(s): {self.context}-token prefill, then {self.steps} "
-            f"teacher-forced decode steps through the cache; {self.seconds:.0f} s in all.",
+            f"teacher-forced decode steps through the cache; {self.seconds:.0f} s in all. "
+            "KL to fp: mean KL(fp ‖ run) of the next-token distributions per scored step "
+            "(nats); top-1 = fp: share of steps whose argmax is the full-precision run's.",
             "",
-            "| run | group | perplexity | × fp | bits/elem | cache bytes | × smaller than fp16 "
-            "| ms/step |",
-            "|---|---|---|---|---|---|---|---|",
+            "| run | group | perplexity | × fp | KL to fp | top-1 = fp | bits/elem | cache bytes "
+            "| × smaller than fp16 | ms/step |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in self.runs:
             smaller = (
                 f"{r.fp16_bytes / r.cache_bytes:.2f}" if r.cache_bytes and r.fp16_bytes else "-"
             )
             bpe = f"{r.bits_per_element:.2f}" if r.bits_per_element else "-"
+            kl = f"{r.kl:.3g}" if r.kl is not None else "-"
+            agree = f"{r.top1_agreement:.3f}" if r.top1_agreement is not None else "-"
             lines.append(
-                f"| {r.name} | {r.group} | {r.perplexity:.3f} | {r.ratio:.3f} | {bpe} | "
+                f"| {r.name} | {r.group} | {r.perplexity:.3f} | {r.ratio:.3f} | {kl} | {agree} | "
+                f"{bpe} | "
                 f"{r.cache_bytes if r.cache_bytes is not None else '-'} | {smaller} | "
                 f"{r.ms_per_step:.1f} |"
             )
+        lines += self._retrieval_markdown()
         lines += self._frontier_markdown()
         if self.consumed:
             lines += ["", "## Where the tensors are consumed", ""]
@@ -109,6 +137,28 @@ class EvalReport:
         if self.notes:
             lines += ["", "## Notes", ""] + [f"- {n}" for n in self.notes]
         return "\n".join(lines) + "\n"
+
+    def _retrieval_markdown(self) -> list[str]:
+        """The retrieval table: top-1 accuracy and perplexity on the repeated passages."""
+        if not self.retrieval or not self.retrieval_setup:
+            return []
+        s = self.retrieval_setup
+        lines = [
+            "", "## Retrieval: a passage, then the same passage again", "",
+            f"{s['passages']} passage(s) of {s['length']} {s['source']} tokens, each followed "
+            f"by itself. The prefill holds the first copy and the first {s['prefix']} tokens of "
+            f"the second; {s['steps']} teacher-forced decode steps score the rest of the second "
+            "copy. top-1: share of those tokens the model's argmax predicts; top-1 = fp: share "
+            "of steps whose argmax is the full-precision run's.",
+            "",
+            "| run | top-1 | perplexity | top-1 = fp | scored tokens |",
+            "|---|---|---|---|---|",
+        ]
+        for r in self.retrieval:
+            agree = f"{r.agreement:.3f}" if r.agreement is not None else "-"
+            lines.append(f"| {r.name} | {r.top1:.3f} | {r.perplexity:.3f} | {agree} | "
+                         f"{r.tokens} |")
+        return lines
 
     def _frontier_markdown(self) -> list[str]:
         """The frontier table, the dominance lines and the widths of the middle budget."""

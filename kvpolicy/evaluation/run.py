@@ -7,8 +7,13 @@ the public override API (axes, pre/post-RoPE keys, residual, sinks, bits), bit b
 (``FRONTIER_BUDGETS``, allocated from one calibration; the middle one once more from the
 ``relative`` currency of ``budget.CALIBRATION_METRICS``, to show what the default's loss
 weighting buys) and the peer (transformers' quanto ``QuantizedCache``) with its default
-and its best axes, with cache bytes and decode-step wall time beside each perplexity;
-then the where-consumed axis study (:mod:`kvpolicy.evaluation.axis_study`). The results
+and its best axes, with cache bytes and decode-step wall time beside each perplexity, and
+the KL divergence and top-1 agreement of each run's next-token distributions with the
+full-precision run's on the same steps; the retrieval check
+(:mod:`kvpolicy.evaluation.retrieval`: a passage, then the same passage, scored on the
+second copy) for the full-precision cache, the derived policy, ``RETRIEVAL_BUDGET`` and the
+peer at its best axes; then the where-consumed axis study
+(:mod:`kvpolicy.evaluation.axis_study`). The results
 (:mod:`kvpolicy.evaluation.report`) go to ``report.md``, ``report.json`` and PNG plots.
 """
 
@@ -34,17 +39,27 @@ from ..policy import BUDGET_WIDTHS, load_spec, packed_bytes_per_element
 from ..zoo import text
 from ..zoo.tiny import tiny_model
 from .axis_study import consumed_study
-from .decode import decode_perplexity
-from .peers import cache_bytes, peer_cache
-from .report import EvalReport, RunResult, frontier_dominance, write_report
+from .decode import NextTokenReference, decode_perplexity
+from .peers import cache_bytes, check_token_groups, peer_cache
+from .report import EvalReport, RetrievalResult, RunResult, frontier_dominance, write_report
+from .retrieval import RetrievalTask, retrieval_task, score_retrieval
 
-__all__ = ["evaluate", "ablations", "FRONTIER_BUDGETS"]
+__all__ = ["evaluate", "ablations", "FRONTIER_BUDGETS", "RETRIEVAL_BUDGET", "RETRIEVAL_TOKENS"]
 
 log = logging.getLogger(__name__)
 
 # Bit budgets of the frontier (average code bits per cached element; a float is always a
 # budget, so 3.0 is allocated, not uniform 3 bits). One calibration serves all of them.
 FRONTIER_BUDGETS: tuple[float, ...] = (2.25, 2.5, 3.0)
+# The budget of the retrieval rows (one of FRONTIER_BUDGETS: its run is reused).
+RETRIEVAL_BUDGET = 2.5
+# Default passage length of the retrieval check; ``quick`` uses QUICK_RETRIEVAL_TOKENS.
+RETRIEVAL_TOKENS = 1024
+QUICK_RETRIEVAL_TOKENS = 48
+# The axis study measures errors on T x T attention matrices of every layer: its prefill
+# is cut to this many tokens so that a long --context stays within memory (at 8,192 tokens
+# SmolLM2's 9 heads would need 2.4 GB per score matrix).
+STUDY_TOKENS = 1024
 
 
 def ablations(bits: int | float) -> list[tuple[str, str, dict[str, Any]]]:
@@ -97,6 +112,7 @@ def evaluate(
     out: str | Path | None = None,
     quick: bool = False,
     peers: bool = True,
+    retrieval: int | None = None,
     progress: bool = True,
 ) -> EvalReport:
     """Run the full comparison; see the module docstring.
@@ -105,41 +121,74 @@ def evaluate(
         model: a zoo name (``"smollm2-135m"``) or ``"tiny-<arch>"``.
         bits, policy: the policy under test, as for ``compile_model`` (a float ``bits`` is
             a budget; its runs calibrate on the segments' source, see ``_loader``).
-        segments, context, steps: text to score (segments decode as one batch).
+        segments, context, steps: text to score (segments decode as one batch);
+            ``context + steps`` may be up to the model's ``max_position_embeddings``.
         out: folder for ``report.md``, ``report.json`` and the plots.
         quick: a tiny random model, random tokens, short context: a smoke test.
         peers: also run transformers' quanto ``QuantizedCache`` (needs optimum-quanto).
+        retrieval: tokens per passage of the retrieval check (``segments`` passages, each
+            followed by itself; 0 skips it; ``quick`` makes it ``QUICK_RETRIEVAL_TOKENS``);
+            default ``RETRIEVAL_TOKENS``, or half the model's positions if fewer.
+
+    Raises:
+        KVPolicyError: ``context + steps`` or ``2 * retrieval`` exceeds the model's positions,
+            or the text is too short for the segments.
     """
     start = time.perf_counter()
     if quick:
         model, segments, context, steps = "tiny-llama", 2, 64, 16
+        retrieval = 0 if retrieval == 0 else QUICK_RETRIEVAL_TOKENS
         if policy is None:  # a window and groups small enough for 80 tokens to be packed
             policy = {"defaults": {"bits": bits, "group_size": 16, "residual": 16, "sinks": 2}}
-    load, segs, cal_input = _loader(model, segments, context + steps)
+    if retrieval is not None and retrieval < 0:
+        raise KVPolicyError(f"retrieval={retrieval}: give a passage length, or 0 to skip it")
+    load, segs, cal_input, passages = _loader(model, segments, context, steps, retrieval)
     user = _spec_dict(policy, bits)
     runs: list[RunResult] = []
     notes: list[str] = []
+    try:  # the prefill in whole groups: quanto's per-channel axes quantize whole groups
+        task = (None if passages is None
+                else retrieval_task(passages, multiple=load_spec(user).defaults.group_size))
+    except ValueError as exc:
+        raise KVPolicyError(f"--retrieval {passages.shape[1]}: {exc}") from exc
 
     fp_model = load()
     per_token = _elements_per_token(fp_model)
+    if peers:  # fail now, not after the fp and policy runs
+        _check_peer_context(fp_model, context, user)
+    # NOTE: the reference holds fp16 log-probs of every scored step: segments x steps x
+    # vocab x 2 bytes (4 x 256 x 49,152 x 2 = 100 MB for SmolLM2 at the defaults).
+    ref = NextTokenReference()
     fp = decode_perplexity(fp_model, segs, context, steps, desc="fp", progress=progress,
-                           batched=True)
+                           batched=True, reference=ref, record=True)
     fp_bytes = _fp16_bytes(per_token, segs.shape[0], context + steps)
     held = _held_bytes(fp.cache)  # transformers' DynamicCache, in the model's dtype
     runs.append(RunResult(
         "full precision (DynamicCache)", "headline", fp.perplexity, 1.0, held, fp_bytes,
         held * 8 / (fp_bytes / 2) if held and fp_bytes else None, fp.seconds_per_step * 1e3,
+        kl=fp.kl, top1_agreement=fp.agreement,
     ))
+    # Retrieval rows compare argmaxes only: fp log-probs of every step would be
+    # passages x retrieval x vocab x 2 bytes more.
+    retrieval_ref = NextTokenReference(log_probs=False)
+    retrieved: dict[str, RetrievalResult] = {}
+    if task is not None:
+        fp.cache = None  # the fp run's cache is counted: free it before the next prefill
+        retrieved["full precision (DynamicCache)"] = score_retrieval(
+            fp_model, task, "full precision (DynamicCache)", reference=retrieval_ref,
+            record=True, progress=progress)
+    del fp_model
 
     def run_policy(name: str, group: str, spec: dict[str, Any],
-                   calibration: Any = None) -> RunResult:
-        """Compile a fresh model with ``spec`` and score it. ``calibration``: for a budget,
-        a measured ``Calibration`` (default: measure on ``cal_input``)."""
+                   calibration: Any = None, retrieve: bool = False) -> RunResult:
+        """Compile a fresh model with ``spec`` and score it (with ``retrieve``, on the
+        retrieval task too). ``calibration``: for a budget, a measured ``Calibration``
+        (default: measure on ``cal_input``)."""
         m = compile_model(load(), policy=spec, progress=progress,
                           calibration=cal_input if calibration is None else calibration)
         pol = inspect_policy(m)
         res = decode_perplexity(m, segs, context, steps, desc=name, progress=progress,
-                                batched=True)
+                                batched=True, reference=ref)
         mem = res.cache.memory_report()
         elems = per_token * segs.shape[0] * mem["tokens"] if per_token else None
         r = RunResult(
@@ -149,15 +198,20 @@ def evaluate(
             bytes_per_token=pol.bytes_per_token(),
             fp16_bytes_per_token=pol.fp16_bytes_per_token,
             measured_bytes_per_token=_packed_bytes_per_token(mem, segs.shape[0]),
+            kl=res.kl, top1_agreement=res.agreement,
         )
         if pol.budget is not None:
             r.settings = {**spec, "budget": pol.budget, "layers": list(pol.layers),
                           "key_bits": [pol.get(i, "key").bits for i in pol.layers],
                           "value_bits": [pol.get(i, "value").bits for i in pol.layers]}
         runs.append(r)
+        if retrieve and task is not None:
+            res.cache = None
+            retrieved[name] = score_retrieval(m, task, name, reference=retrieval_ref,
+                                              settings=r.settings, progress=progress)
         return r
 
-    derived = run_policy("derived policy", "headline", user)
+    derived = run_policy("derived policy", "headline", user, retrieve=True)
     seen = {json.dumps(user, sort_keys=True): derived}
     for name, group, extra in ablations(bits):
         spec = _merge(user, extra)
@@ -169,13 +223,17 @@ def evaluate(
         seen[key] = run_policy(name, group, spec)
 
     frontier, budget_specs, cal = _frontier_calibration(load, user, cal_input, notes, progress)
+    retrieval_budget = f"budget {RETRIEVAL_BUDGET:g}"
     for name, spec in budget_specs:
         key = json.dumps(spec, sort_keys=True)
         if key in seen:  # the user's own budget: the derived policy's run
             same = seen[key]
             runs.append(replace(same, name=name, group="budget", settings=same.settings))
+            if name == retrieval_budget and same.name in retrieved:
+                retrieved[name] = replace(retrieved[same.name], name=name)
             continue
-        seen[key] = run_policy(name, "budget", spec, calibration=cal)
+        seen[key] = run_policy(name, "budget", spec, calibration=cal,
+                               retrieve=name == retrieval_budget)
     # The middle budget once more, allocated from the plain relative output error: what the
     # loss weighting of the default currency buys.
     mid_name, mid_spec = budget_specs[len(budget_specs) // 2]
@@ -184,17 +242,29 @@ def evaluate(
                calibration=relative)
 
     if peers:
-        runs += _peer_runs(load, segs, context, steps, fp.perplexity, user, per_token,
-                           progress, notes)
+        peer_rows, peer_retrieved = _peer_runs(load, segs, context, steps, fp.perplexity, user,
+                                               per_token, progress, notes, ref, task,
+                                               retrieval_ref)
+        runs += peer_rows
+        retrieved.update(peer_retrieved)
     frontier["dominated_by"] = frontier_dominance(runs)
     study_bits = bits
     if isinstance(bits, float):  # a budget: the axis study compares axes at one width
         study_bits = max(w for w in BUDGET_WIDTHS if w <= bits)
         notes.append(f"the where-consumed axis study measured every tensor at {study_bits} "
                      f"bits (bits={bits:g} is a budget)")
-    consumed = consumed_study(load, segs, context, study_bits, runs)
+    study_context = min(context, STUDY_TOKENS)
+    if study_context < context:
+        notes.append(f"the where-consumed axis study measured the first {study_context} "
+                     f"tokens of the first segment (its errors need T x T score matrices)")
+    consumed = consumed_study(load, segs, study_context, study_bits, runs)
+    setup = None if task is None else {
+        "passages": task.ids.shape[0], "length": task.length, "prefix": task.prefix,
+        "steps": task.steps, "source": "random" if model.startswith("tiny-") else "pydoc",
+    }
     report = EvalReport(model, segs.shape[0], context, steps, runs,
-                        time.perf_counter() - start, consumed, notes, frontier)
+                        time.perf_counter() - start, consumed, notes, frontier,
+                        list(retrieved.values()), setup)
     if out is not None:
         write_report(report, Path(out))
     return report
@@ -280,31 +350,89 @@ def _fp16_bytes(per_token: int | None, batch: int, tokens: int) -> int | None:
 
 
 def _loader(
-    model: str, segments: int, length: int
-) -> tuple[Callable[[], Any], torch.Tensor, Any]:
-    """``(load, segments, calibration input)``. The calibration input of a budget: for a
-    tiny random model (no tokenizer) random ids of another seed than the segments', as many
-    as the default calibration text has; for a zoo model its tokenizer, for the default
-    text (the last pydoc tokens, which the segments never reach)."""
+    model: str, segments: int, context: int, steps: int, retrieval: int | None
+) -> tuple[Callable[[], Any], torch.Tensor, Any, torch.Tensor | None]:
+    """``(load, segments, calibration input, retrieval passages or None)``, after checking
+    that the model has positions for them (``_check_positions``). The calibration input of a
+    budget: for a tiny random model (no tokenizer) random ids of another seed than the
+    segments', as many as the default calibration text has; for a zoo model its tokenizer,
+    for the default text (the last pydoc tokens, which the segments never reach). The
+    retrieval passages: random ids of a third seed, or pydoc text from its start, as the
+    segments."""
+    length = context + steps
     if model.startswith("tiny-"):
         arch = model[len("tiny-"):]
         probe = tiny_model(arch)
+        retrieval = _check_positions(probe, model, context, steps, retrieval)
         gen = torch.Generator().manual_seed(0)
         segs = torch.randint(3, probe.config.vocab_size, (segments, length), generator=gen)
         cal = torch.randint(3, probe.config.vocab_size, (1, budget.CALIBRATION_TOKENS),
                             generator=torch.Generator().manual_seed(1))
-        return (lambda: tiny_model(arch)), segs, cal
-    _, tokenizer = zoo.load(model)
-    return (lambda: zoo.load(model)[0]), text.segments(tokenizer, length, segments), tokenizer
+        passages = None if not retrieval else torch.randint(
+            3, probe.config.vocab_size, (segments, retrieval),
+            generator=torch.Generator().manual_seed(2))
+        return (lambda: tiny_model(arch)), segs, cal, passages
+    probe, tokenizer = zoo.load(model)
+    retrieval = _check_positions(probe, model, context, steps, retrieval)
+    del probe
+    try:
+        segs = text.segments(tokenizer, length, segments)
+        passages = (None if not retrieval else
+                    text.segments(tokenizer, retrieval, segments, stride=max(retrieval, 1024)))
+    except ValueError as exc:  # the pydoc text is finite: say which option to lower
+        raise KVPolicyError(f"{exc} (--segments, --context + --steps, --retrieval)") from exc
+    return (lambda: zoo.load(model)[0]), segs, tokenizer, passages
 
 
-def _peer_runs(load, segs, context, steps, fp_ppl, user, per_token, progress, notes):
+def _check_positions(probe: torch.nn.Module, name: str, context: int, steps: int,
+                     retrieval: int | None) -> int:
+    """Refuse lengths past the model's ``max_position_embeddings`` (where it names one);
+    the retrieval passage length, ``None`` resolved to its default."""
+    if context < 1 or steps < 1:
+        raise KVPolicyError(f"context={context}, steps={steps}: both must be positive")
+    config = probe.config.get_text_config(decoder=True)
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return RETRIEVAL_TOKENS if retrieval is None else retrieval
+    if retrieval is None:
+        retrieval = min(RETRIEVAL_TOKENS, limit // 2)
+    if context + steps > limit:
+        raise KVPolicyError(
+            f"context + steps = {context} + {steps} = {context + steps} tokens exceed the "
+            f"{limit} positions of {name} (max_position_embeddings); use a --context and "
+            f"--steps that sum to at most {limit}"
+        )
+    if 2 * retrieval > limit:
+        raise KVPolicyError(
+            f"retrieval={retrieval}: a passage and its repeat take {2 * retrieval} tokens, "
+            f"more than the {limit} positions of {name} (max_position_embeddings); use "
+            f"--retrieval {limit // 2} or less, or 0 to skip the retrieval check"
+        )
+    return retrieval
+
+
+def _check_peer_context(model: torch.nn.Module, context: int, user: dict[str, Any]) -> None:
+    """Refuse a context with which the quanto peer's per-channel axes would fail mid-run."""
+    d = load_spec(user).defaults
+    if d.bits not in (2, 4):  # no peer runs (said in the notes)
+        return
+    try:
+        check_token_groups(model, context, d.residual, d.group_size)
+    except KVPolicyError as exc:
+        raise type(exc)(f"{exc}; or skip the quanto peer (--no-peers)") from exc
+
+
+def _peer_runs(load, segs, context, steps, fp_ppl, user, per_token, progress, notes,
+               reference: NextTokenReference, task: RetrievalTask | None,
+               retrieval_ref: NextTokenReference
+               ) -> tuple[list[RunResult], dict[str, RetrievalResult]]:
     """transformers' quanto cache at the policy's bits, group and residual: all four axis
-    pairs (its users pick them by hand), reported with the default and the best."""
+    pairs (its users pick them by hand), reported with the default and the best; the best
+    also on the retrieval ``task``."""
     d = load_spec(user).defaults
     if d.bits not in (2, 4):
         notes.append(f"peer runs skipped: quanto supports 2 or 4 bits, the policy has {d.bits}")
-        return []
+        return [], {}
     model = load()
     steady = _quanto_bytes_per_token(per_token, d.bits, d.group_size, model)
     results = {}
@@ -314,7 +442,8 @@ def _peer_runs(load, segs, context, steps, fp_ppl, user, per_token, progress, no
                                     residual=d.residual, axis_key=axes[0], axis_value=axes[1])
 
         results[axes] = decode_perplexity(model, segs, context, steps, desc=f"quanto {axes}",
-                                          progress=progress, batched=True, make_cache=factory)
+                                          progress=progress, batched=True, make_cache=factory,
+                                          reference=reference)
     best = min(results, key=lambda a: results[a].perplexity)
     out = []
     for label, axes in (("quanto default axes (0, 0)", (0, 0)), (f"quanto best axes {best}", best)):
@@ -330,8 +459,20 @@ def _peer_runs(load, segs, context, steps, fp_ppl, user, per_token, progress, no
             avg_bits=float(d.bits), bytes_per_token=steady,
             fp16_bytes_per_token=2 * per_token if per_token else None,
             measured_bytes_per_token=_quanto_measured_bytes_per_token(held, per_token, model),
+            kl=res.kl, top1_agreement=res.agreement,
         ))
-    return out
+    retrieved = {}
+    if task is not None:
+        for res in results.values():
+            res.cache = None
+        label = out[-1].name
+        retrieved[label] = score_retrieval(
+            model, task, label, reference=retrieval_ref, settings=out[-1].settings,
+            make_cache=lambda: peer_cache(model, "quanto", bits=d.bits, group_size=d.group_size,
+                                          residual=d.residual, axis_key=best[0],
+                                          axis_value=best[1]),
+            progress=progress)
+    return out, retrieved
 
 
 def _quanto_bytes_per_token(per_token: int | None, bits: int, group_size: int,

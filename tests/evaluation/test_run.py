@@ -112,6 +112,23 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
     assert budget_json[1]["settings"]["value_bits"] == budgets[1].settings["value_bits"]
     assert budget_json[1]["bytes_per_token"] == budgets[1].bytes_per_token
     md = (tmp_path / "report.md").read_text()
+    # KL and top-1 agreement with fp on the same steps: 0 and 1 for fp itself, and the
+    # quantized runs differ from it.
+    fp_row = report.runs[0]
+    assert (fp_row.kl, fp_row.top1_agreement) == (0.0, 1.0)
+    assert derived.kl > 0 and 0 <= derived.top1_agreement <= 1
+    assert all(r.kl is not None and r.top1_agreement is not None for r in report.runs)
+    assert data["runs"][1]["kl"] == derived.kl
+    # Retrieval: fp, the derived policy and budget 2.5 (quanto needs peers), each over the
+    # second copy after the prefill: 2 passages x (48 - 16) tokens.
+    assert [r.name for r in report.retrieval] == [
+        "full precision (DynamicCache)", "derived policy", "budget 2.5"]
+    assert report.retrieval_setup == {"passages": 2, "length": 48, "prefix": 16, "steps": 32,
+                                      "source": "random"}
+    assert all(r.tokens == 64 and 0 <= r.top1 <= 1 for r in report.retrieval)
+    assert report.retrieval[0].agreement == 1.0
+    assert "## Retrieval: a passage, then the same passage again" in md
+    assert data["retrieval"][1]["name"] == "derived policy"
     assert "## Frontier: perplexity vs compression" in md
     mid = budgets[1]
     assert f"| budget 2.5 | {mid.avg_bits:.3f} | {mid.bytes_per_token:.1f} |" in md
