@@ -1,8 +1,9 @@
 """Bytes per token of one layer's packed KV cache vs a plain fp16 cache.
 
 SmolLM2 shapes (3 kv heads, head_dim 64), keys per-channel and values per-token with
-G=32, residual window R=128, 4 sink tokens, keys stored pre-RoPE so that every token's
-position (int32) is stored and counted; scales/zeros and full-precision tokens in fp16.
+G=32, residual window R=128, 4 sink tokens, keys stored pre-RoPE so that positions are
+stored and counted (one base for the contiguous run: a few bytes, not 4 per token);
+scales/zeros and full-precision tokens in fp16.
 Everything :meth:`PackedKVLayer.memory_report` counts is in ``bytes``.
 
     .venv/bin/python bench/cache_memory.py
@@ -46,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     rope = rotary(max(args.tokens))
     print(f"one layer, {KV_HEADS} kv heads x head_dim {HEAD_DIM}, G={GROUP}, R={RESIDUAL}, "
-          f"sinks={SINKS}, fp16 scales, int32 positions counted")
+          f"sinks={SINKS}, fp16 scales, positions counted")
     head = (f"{'bits':>4} {'tokens':>7} {'bytes/token':>11} {'fp16 B/tok':>10} "
             f"{'compression':>11}  {'codes':>6} {'scales+zeros':>12} {'fp tokens':>9} "
             f"{'positions':>9}")

@@ -17,7 +17,7 @@ from torch import nn
 
 from .analysis.analyse import analyse_model
 from .calibrate.budget import budget_policy
-from .compiler import compile_blocks
+from .compiler import compile_blocks, sliding_windows
 from .errors import KVPolicyError
 from .kernels.backend import check_name as check_backend
 from .policy import ModelPolicy, PolicySpec, build_policy, load_spec
@@ -153,7 +153,9 @@ def compile_model(
     )
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     layer_kind = [lf.block_kind for lf in analysis.layers]
-    install(model, CompiledModel(pol, backend, analysis, kinds, layer_kind, cache_kw, dtype))
+    windows = sliding_windows(model, len(layer_kind))
+    install(model, CompiledModel(pol, backend, analysis, kinds, layer_kind, cache_kw, dtype,
+                                 windows))
     log.info("compiled %d attention layers (%d block kinds)", len(layer_kind), len(kinds))
     return model
 

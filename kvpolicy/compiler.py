@@ -35,10 +35,40 @@ from .runtime.install import (
     resolve_attr,
     run_block,
 )
+from .runtime.rotary import rotary_sources
 
-__all__ = ["compile_blocks"]
+__all__ = ["compile_blocks", "sliding_windows"]
 
 log = logging.getLogger(__name__)
+
+
+def sliding_windows(model: nn.Module, n_layers: int) -> dict[int, int]:
+    """Attention layer -> sliding window, for the layers the model's config marks local.
+
+    Read as transformers reads it to build its own cache and masks: ``layer_types``
+    (``"sliding_attention"``; Gemma2/3, gpt-oss, Qwen2 with ``use_sliding_window``), or,
+    without it, a ``sliding_window`` set on the config (Mistral: every layer). A model
+    without a config (a hand-written module) has no window layers: its masks are its own.
+    Chunked attention (Llama 4) is not a window and is left alone.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        return {}
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        return {}
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return dict.fromkeys(range(n_layers), window)
+    if len(types) != n_layers:
+        log.warning(
+            "config.layer_types names %d layers but %d attention layers were found; "
+            "no layer evicts outside its window", len(types), n_layers,
+        )
+        return {}
+    return {i: window for i, t in enumerate(types) if t == "sliding_attention"}
 
 
 def compile_blocks(
@@ -56,6 +86,9 @@ def compile_blocks(
             block's output. The model is not touched.
     """
     kinds: dict[str, dict[tuple, KindGraph]] = {}
+    # The model's own RoPE frequencies, for the cache to compute cos/sin rows from
+    # positions instead of storing rows per token (runtime.rotary).
+    sources = rotary_sources(model)
     first_call: dict[str, AttentionCall] = {}
     for call, lf in zip(analysis.calls, analysis.layers, strict=True):
         first_call.setdefault(lf.block_kind, call)
@@ -63,6 +96,7 @@ def compile_blocks(
         pre = policy.get(next(lf.layer for lf in analysis.layers if lf.block_kind == kind),
                       "key").pre_rope
         kg = _build_kind_graph(block, pre)
+        kg.attend.rotary_sources = sources
         call = first_call[kind]
         _, leaves, spec_ = flatten_call(call.args, call.kwargs)
         kinds[kind] = {(spec_, call_signature(leaves)): kg}
@@ -84,6 +118,7 @@ def compile_blocks(
         block = analyse_block(traced)
         pre = policy.get(call.index, "key").pre_rope
         kg = _build_kind_graph(block, pre)
+        kg.attend.rotary_sources = sources
         _lossless_check(block, kg, call, policy)
         kinds[kind][sig] = kg
 

@@ -32,6 +32,7 @@ __all__ = [
     "MergePartials",
     "DecodeAttention",
     "compose_decode",
+    "quantize_in_blocks",
 ]
 
 Partial = tuple[torch.Tensor, torch.Tensor]  # (out [B, Hq, Tq, Dv], lse [B, Hq, Tq]), fp32
@@ -160,3 +161,15 @@ def compose_decode(
         return parts[0] if len(parts) == 1 else merge_partials(parts)
 
     return decode_attention
+
+
+def quantize_in_blocks(
+    quantize: Quantize, x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype, tokens: int
+) -> Packed:
+    """``quantize(x, spec, dtype)`` of ``x [B, H, T, D]`` in blocks of ``tokens`` tokens
+    (whole groups: bit-identical), so that its fp32 temporaries are a block's size."""
+    if x.shape[2] <= tokens:
+        return quantize(x, spec, dtype)
+    parts = [quantize(x[:, :, i : i + tokens], spec, dtype) for i in range(0, x.shape[2], tokens)]
+    fields = zip(*parts, strict=True)  # full-precision specs: empty scale and zero
+    return Packed(*(torch.cat(f, dim=2) if f[0].numel() else f[0] for f in fields))

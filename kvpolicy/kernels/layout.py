@@ -119,11 +119,13 @@ class Packed(NamedTuple):
 class RotarySpec:
     """A rotary embedding re-applied to pre-RoPE keys after dequantization.
 
-    ``cos``/``sin`` are tables indexed by absolute position, ``[P, rotary_dim]`` in the
-    layout the model itself multiplies with (for ``rotate_half``: ``cat(f, f)``; for
-    ``interleaved``: ``repeat_interleave(f, 2)``), already multiplied by any attention
-    scaling. Every RoPE variant whose angles depend only on the position fits (linear,
-    NTK, YaRN, Llama-3 scaling). Channels ``>= rotary_dim`` pass through (partial rotary).
+    ``cos``/``sin`` are tables indexed by the keys' stored positions, ``[P, rotary_dim]``
+    (absolute positions; or rows of a table of the rows the model gave, for rotations the
+    cache cannot recompute, ``runtime.rotary``), in the layout the model itself multiplies
+    with (for ``rotate_half``: ``cat(f, f)``; for ``interleaved``:
+    ``repeat_interleave(f, 2)``), already multiplied by any attention scaling. Every RoPE
+    variant whose angles depend only on the position fits (linear, NTK, YaRN, Llama-3
+    scaling). Channels ``>= rotary_dim`` pass through (partial rotary).
 
     rotate_half:  out[:r] = x[:r] * cos + cat(-x[r/2:r], x[:r/2]) * sin
     interleaved:  pairs (x[2i], x[2i+1]) -> (x0*cos - x1*sin, x1*cos + x0*sin)

@@ -3,7 +3,9 @@
 ``rewrite`` replaces a block's attention consumer by one ``call_module`` node to a
 ``KVAttend``. At run time it takes the query, the (pre-RoPE) key and the value in the layout
 the block produced them, brings K and V to ``[B, Hkv, T, D]``, hands the cos/sin the block
-multiplied the key with to the cache's RoPE table, appends to the layer and attends. The
+multiplied the key with to the cache's RoPE table, appends to the layer and attends (a
+call of several tokens attends first, over the cache as it stands and its own tokens in
+full precision, then appends; README, the prefill paragraph). The
 layer and cache to use come from ``CURRENT``, set by the installed block forward
 (``runtime.install``) around each call.
 """
@@ -15,11 +17,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import KVPolicyError
 from ..kernels import torch_backend
-from ..kernels.masks import causal_mask, to_additive
+from ..kernels.masks import mask_rows
 
 __all__ = ["AttendContext", "CURRENT", "KVAttend", "Layout", "PosLayout"]
 
@@ -35,6 +38,11 @@ class AttendContext:
 CURRENT: contextvars.ContextVar[AttendContext | None] = contextvars.ContextVar(
     "kvpolicy_attend", default=None
 )
+
+# Query rows per SDPA call of a prefill under a caller's mask: the mask block widened to
+# fp32 is [B, 1, _MASK_ROWS, T]. NOTE: 8K tokens, 4 heads, D=64, bool causal mask, 1
+# thread: 2.26 / 2.00 / 2.05 / 2.04 s at 128 / 256 / 512 / 1,024 rows, 1.96 s in one call.
+_MASK_ROWS = 256
 
 @dataclass(frozen=True)
 class Layout:
@@ -91,6 +99,9 @@ class KVAttend(nn.Module):
         # The replaced consumer's output memory layout: later views in the graph were
         # traced against it (SDPA on CPU returns [B, T, H, D]-major storage).
         self.tokens_major = False
+        # Where the model keeps RoPE frequencies (runtime.rotary.rotary_sources), set by
+        # the compiler: the cache computes rows from them instead of storing rows.
+        self.rotary_sources: tuple = ()
 
     def extra_repr(self) -> str:
         return (
@@ -117,30 +128,39 @@ class KVAttend(nn.Module):
         packed = layer.packed
         k = self.key_layout.apply(k)
         v = self.value_layout.apply(v)
-        start = packed.seq_len
+        start = packed.n_seen
         positions = rope = None
         if self.rope_style is not None:
+            # The cache turns the rows into positions (runtime.rotary) and hands back a
+            # table they index; `positions` is a runtime.positions.TokenPositions.
             c, s = self._rope_rows(cos, sin)
-            ptr = cos.untyped_storage().data_ptr()
-            table = cache.rope_rows(layer, c, s, start, self.rope_style, ptr)
-            rope = table.spec()
-            positions = table.indices(start, k.shape[2], k.shape[0], k.device)
+            rope, positions = cache.rope_rows(layer, c, s, self.rope_style, k.shape[0],
+                                              self.rotary_sources)
         attn_mask = None
         if mask is not None:
             attn_mask = mask if self.mask_kind != "fill" else ~mask
             while attn_mask.dim() < 4:
                 attn_mask = attn_mask.unsqueeze(0)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        if start == 0 and q.shape[2] > 1:
-            # A prefill attends over its own keys and values in full precision (KIVI): the
-            # cache stores them quantized for the steps that follow.
-            out = _prefill_attention(q, k, v, attn_mask, self.causal, scale, rope, positions)
+        if q.shape[2] > 1:
+            # A prefill, a prompt chunk or a new turn attends over the cache as it stands and
+            # over its own keys and values in full precision (KIVI); the cache then stores
+            # them, quantized once the residual overflows, for the steps that follow.
+            if start == 0:
+                out = _prefill_attention(q, k, v, attn_mask, self.causal, scale, rope,
+                                         positions)
+            else:
+                out = packed.attend(q, scale=scale, attn_mask=attn_mask, causal=self.causal,
+                                    rope=rope, pending=(k, v, positions))
             packed.append(k, v, positions)
         else:
             packed.append(k, v, positions)
             out = packed.attend(
                 q, scale=scale, attn_mask=attn_mask, causal=self.causal, rope=rope
             )
+        # A sliding-window layer frees what the next step cannot see (after attending:
+        # this step's queries reach one token further back).
+        packed.slide()
         if self.tokens_major:
             out = out.transpose(1, 2).contiguous().transpose(1, 2)
         return out
@@ -149,18 +169,37 @@ class KVAttend(nn.Module):
 def _prefill_attention(q, k, v, attn_mask, causal, scale, rope, positions) -> torch.Tensor:
     """Full-precision attention of a prefill over its own tokens ``[B, H, T, D]``.
 
-    Always the torch backend's kernels, whatever the layer's backend: nothing here is
-    packed, so no packed kernel applies.
+    torch's fused ``scaled_dot_product_attention`` (flash on CPU, flash or memory-efficient
+    on CUDA), in fp32 as the cache's own kernels compute: no ``[T, T]`` score matrix, and
+    no ``[T, T]`` mask for a causal prefill. A caller's mask (left padding) is passed in
+    blocks of query rows, so that only a block of it is ever widened to fp32.
     """
-    kernels = torch_backend.BACKEND
     if rope is not None:
-        k = kernels.apply_rope(k, positions, rope)
-    t = q.shape[2]
-    if attn_mask is not None:
-        add = to_additive(attn_mask)
-    elif causal:
-        add = causal_mask(t, t, q.device)[None, None]
+        k = torch_backend.BACKEND.apply_rope(k, positions.tensor(k.device), rope)
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and q.device.type != "cpu":
+        # enable_gqa only on CPU, whose flash kernel takes it: not every fused kernel does
+        # (ROCm's memory-efficient one does not), and a refusal falls back to the math
+        # path, which builds the [T, T] scores. The expanded K/V are the query's size.
+        # NOTE: causal SDPA on CPU, 16K tokens, 4 query heads on 2 kv heads, D=64, fp32:
+        # peak RSS rises 54 MB with K/V expanded, 20 MB with enable_gqa.
+        rep = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+    if attn_mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                             enable_gqa=gqa)
     else:
-        add = None
-    out, _ = kernels.attention_partial(q.float(), k.float(), v.float(), scale=scale, mask=add)
-    return out.to(q.dtype)
+        t = q.shape[2]
+        blocks = [
+            F.scaled_dot_product_attention(
+                q[:, :, r0 : r0 + _MASK_ROWS], k, v, scale=scale, enable_gqa=gqa,
+                attn_mask=mask_rows(attn_mask, False, range(r0, min(t, r0 + _MASK_ROWS)), t, t),
+            )
+            for r0 in range(0, t, _MASK_ROWS)
+        ]
+        out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
+    # A row that sees no key is 0 (the kernel contract, docs/design.md §6); SDPA's math
+    # fallback would give NaN there, which the next layer's append refuses.
+    return out.nan_to_num_(0.0).to(dtype)

@@ -2,15 +2,16 @@
 
 ``KVPolicyCache`` is what a compiled model's attention reads and writes. It holds one
 ``PackedKVLayer`` per attention layer (sinks + packed groups + residual, per the policy)
-and the RoPE tables that pre-RoPE keys are rotated with after dequantization.
+and the RoPE groups that pre-RoPE keys are rotated with after dequantization.
 
-RoPE tables: every key is cached *before* its rotation, so attention must know the
-rotation of each cached token. The compiled block hands over the cos/sin rows it was
-given for the new tokens; the cache appends them to a table and stores, per token, an
-index into it. Layers fed from the same position tensors (all layers of a Llama share one
-``position_embeddings``) share one table, so the table costs ``2 * rotary_dim`` values per
-token for the whole model, not per layer. Any RoPE variant whose angles depend on the
-token works (linear/NTK/YaRN/Llama-3 scaling, per-row positions under left padding).
+RoPE: every key is cached *before* its rotation, so attention must know the rotation of
+each cached token. The compiled block hands over the cos/sin rows it was given for the new
+tokens; the cache's ``RotaryGroup`` (``runtime.rotary``; one per rotation, shared by every
+layer that rotates with the same angles) turns them into positions, which each layer keeps
+implicitly (``runtime.positions``), and recomputes rows from the positions when attention
+needs them. Rows it cannot reproduce are stored instead. Any RoPE variant whose angles
+depend on the token works (linear/NTK/YaRN/Llama-3 scaling, per-row positions under left
+padding).
 """
 
 from __future__ import annotations
@@ -26,69 +27,24 @@ from ..kernels.layout import QuantSpec, RotarySpec
 from ..policy import ModelPolicy
 from ..state import compiled_of
 from .layer import PackedKVLayer
+from .positions import TokenPositions
+from .rotary import RotaryGroup
 
-__all__ = ["KVPolicyCache", "KVPolicyLayer", "RopeTable"]
+__all__ = ["KVPolicyCache", "KVPolicyLayer"]
 
 log = logging.getLogger(__name__)
 
-
-
-class RopeTable:
-    """cos/sin rows of every cached token, ``[tokens * rows_per_token, rotary_dim]``.
-
-    Row ``t * b_rows + b`` is token ``t`` of batch row ``b``; ``b_rows`` is 1 when all
-    batch rows share positions (the usual ``[1, T, r]`` cos of transformers) and B under
-    left padding. Rows are never reordered: beam search reorders the layers' stored
-    indices instead.
-    """
-
-    def __init__(self, style: str, rotary_dim: int) -> None:
-        self.style, self.rotary_dim = style, rotary_dim
-        self.cos: torch.Tensor | None = None
-        self.sin: torch.Tensor | None = None
-        self.tokens = 0
-        self.b_rows = 0
-        self.source_ptr: int | None = None  # storage of the position tensor last appended
-
-    def append(self, cos: torch.Tensor, sin: torch.Tensor, ptr: int) -> None:
-        """Append ``[b_rows, T, r]`` rows (token-major in storage)."""
-        b, t, r = cos.shape
-        if self.cos is not None and b != self.b_rows:
-            raise CacheError(
-                f"RoPE rows for {b} batch rows after {self.b_rows}; a compiled model's "
-                "cache holds one batch layout per sequence"
-            )
-        c = cos.transpose(0, 1).reshape(t * b, r)
-        s = sin.transpose(0, 1).reshape(t * b, r)
-        self.cos = c.clone() if self.cos is None else torch.cat((self.cos, c))
-        self.sin = s.clone() if self.sin is None else torch.cat((self.sin, s))
-        self.tokens += t
-        self.b_rows = b
-        self.source_ptr = ptr
-
-    def spec(self) -> RotarySpec:
-        assert self.cos is not None and self.sin is not None
-        return RotarySpec(self.style, self.rotary_dim, self.cos, self.sin)  # type: ignore[arg-type]
-
-    def indices(self, start: int, t: int, batch: int, device) -> torch.Tensor:
-        """``[batch, t]`` table rows of tokens ``start .. start+t-1``."""
-        tok = torch.arange(start, start + t, device=device)
-        if self.b_rows == 1:
-            return tok[None, :].expand(batch, t).contiguous()
-        return tok[None, :] * self.b_rows + torch.arange(batch, device=device)[:, None]
-
-    def nbytes(self) -> int:
-        return 0 if self.cos is None else 2 * self.cos.numel() * self.cos.element_size()
 
 
 class KVPolicyLayer(CacheLayerMixin):
     """A transformers cache layer backed by a ``PackedKVLayer``.
 
     Compiled attention appends and attends through ``packed`` directly; ``update()`` is
-    what uncompiled attention would call, and is refused.
+    what uncompiled attention would call, and is refused. A layer with a window is
+    ``is_sliding``: transformers then sizes the window layers' mask from its
+    ``get_mask_sizes``, which covers exactly the tokens it holds.
     """
 
-    is_sliding = False
     is_compileable = False
     is_croppable = False
 
@@ -96,8 +52,9 @@ class KVPolicyLayer(CacheLayerMixin):
         super().__init__()
         self.packed = packed
         self.layer_idx = layer_idx
-        self.rope_table: RopeTable | None = None
+        self.rotary: RotaryGroup | None = None
         self.is_initialized = True
+        self.is_sliding = packed.window is not None
 
     def lazy_initialization(self, key_states, value_states) -> None:  # noqa: D102
         return None
@@ -109,17 +66,18 @@ class KVPolicyLayer(CacheLayerMixin):
         )
 
     def get_seq_length(self) -> int:
-        return self.packed.seq_len
+        return self.packed.n_seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        # (key columns, index of the first one): the held tokens and the step's own.
+        return self.packed.seq_len + query_length, self.packed.n_evicted
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
         self.packed.clear()
-        self.rope_table = None
+        self.rotary = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.packed.reorder(beam_idx.to(torch.int64))
@@ -144,19 +102,26 @@ class KVPolicyCache(Cache):
 
     Created automatically by ``model(..., use_cache=True)`` and ``model.generate``;
     build one explicitly with ``KVPolicyCache.for_model(model)``.
+
+    Args:
+        windows: attention layer -> sliding window of the layers the model marks as local
+            (``compiler.sliding_windows``); those layers evict what leaves the window.
     """
 
     def __init__(
-        self, policy: ModelPolicy, *, backend: str = "auto", model_dtype: torch.dtype | None = None
+        self, policy: ModelPolicy, *, backend: str = "auto",
+        model_dtype: torch.dtype | None = None, windows: dict[int, int] | None = None,
     ) -> None:
+        windows = windows or {}
         layers = [
-            KVPolicyLayer(_packed_layer(policy, i, backend, model_dtype), i)
+            KVPolicyLayer(_packed_layer(policy, i, backend, model_dtype, windows.get(i)), i)
             for i in sorted({t.layer for t in policy.tensors})
         ]
         super().__init__(layers=layers)
         self.policy = policy
         self.backend = backend
-        self.tables: list[RopeTable] = []
+        self.windows = dict(windows)
+        self.rotary: list[RotaryGroup] = []
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> KVPolicyCache:
@@ -176,51 +141,74 @@ class KVPolicyCache(Cache):
         return self.layers[layer_idx]
 
     def rope_rows(
-        self, layer: KVPolicyLayer, cos: torch.Tensor, sin: torch.Tensor, start: int,
-        style: str, ptr: int,
-    ) -> RopeTable:
-        """Make sure the table of ``layer`` holds rows for tokens ``start .. start+T-1``.
+        self, layer: KVPolicyLayer, cos: torch.Tensor, sin: torch.Tensor, style: str,
+        batch: int, sources: tuple = (),
+    ) -> tuple[RotarySpec, TokenPositions]:
+        """The rotary table and the positions of ``layer``'s new tokens, whose rows are
+        ``cos``/``sin`` ``[b_rows, T, r]`` (``b_rows`` 1 or ``batch``).
 
-        A layer is bound to a table at its first append: the table whose rows came from
-        the same position tensor (same storage) in this forward, else a new one.
+        A layer is bound to a group at its first append: the group whose rows for this
+        step are the same (or which computes the same rows), else a new one fitted from
+        ``sources`` (``runtime.rotary.rotary_sources``).
         """
-        t = cos.shape[1]
-        table = layer.rope_table
-        if table is None:
-            table = next((x for x in self.tables if x.source_ptr == ptr and x.tokens == start + t
-                          and x.style == style), None)
-            if table is None:
-                table = RopeTable(style, cos.shape[-1])
-                self.tables.append(table)
-            layer.rope_table = table
-        if table.tokens == start:
-            # NOTE: fp32 rows: the C++ decode kernel reads fp32 rotate-half tables in place
-            # and would copy a half-precision table on every call (2 bytes/value saved,
-            # ~1 ms per SmolLM2 step lost at 1K tokens).
-            table.append(cos.float(), sin.float(), ptr)
-        elif table.tokens < start + t:
+        if cos.shape[0] not in (1, batch) or sin.shape != cos.shape:
             raise CacheError(
-                f"layer {layer.layer_idx}: RoPE table holds {table.tokens} tokens, expected "
-                f"{start} or {start + t}; layers were called out of order"
+                f"RoPE rows {tuple(cos.shape)} / {tuple(sin.shape)} for a batch of {batch}; "
+                "a compiled model's cache holds one batch layout per sequence"
             )
-        return table
+        packed = layer.packed
+        held, start = packed.held_positions(), packed.n_seen
+        group = layer.rotary
+        if group is not None:
+            pos = group.resolve(held, cos, sin, start, batch)
+        else:
+            pos = None
+            for g in self.rotary:
+                if g.style == style and g.rotary_dim == cos.shape[-1] and g.dtype == cos.dtype:
+                    pos = g.resolve(held, cos, sin, start, batch, joining=True)
+                    if pos is not None:
+                        group = g
+                        break
+            if group is None or pos is None:
+                group, pos = RotaryGroup.fit(cos, sin, style, held, start, batch, sources)
+                self.rotary.append(group)
+                log.debug("layer %d: new RoPE group (%s)", layer.layer_idx,
+                          "computed" if group.computed else "stored rows")
+            group.layers += 1
+            layer.rotary = group
+        return group.spec(), pos
 
     def reset(self) -> None:
         super().reset()
-        self.tables = []
+        self.rotary = []
 
     def memory_report(self) -> dict[str, Any]:
-        """Bytes held by all layers (codes, scales, zeros, sinks, residual, positions) and
-        the shared RoPE tables, against an fp16 cache of the same tokens."""
+        """Bytes held by all layers (codes, scales, zeros, sinks, residual, positions) and,
+        once for the model, the RoPE groups, against an fp16 cache of the same tokens.
+
+        ``bytes`` is what is in use; ``spare_bytes`` the allocated but unused capacity of
+        growing buffers; ``rope_transient_bytes`` a step's table of RoPE rows while it is
+        held (from a step until every layer has read it; not in ``bytes``).
+        """
         per_layer = [layer.packed.memory_report() for layer in self.layers]
-        rope = sum(t.nbytes() for t in self.tables)
-        total = sum(r["bytes"] for r in per_layer) + rope
+        evicted = sum(r["evicted_tokens"] for r in per_layer)
+        rope = [g.memory() for g in self.rotary]
+        rope_bytes = sum(r["bytes"] for r in rope)
+        total = sum(r["bytes"] for r in per_layer) + rope_bytes
         fp16 = sum(r["fp16_bytes"] for r in per_layer)
         return {
             "tokens": per_layer[0]["tokens"] if per_layer else 0,
             "bytes": total,
             "fp16_bytes": fp16,
-            "rope_table_bytes": rope,
+            "position_bytes": sum(r["position_bytes"] for r in per_layer),
+            "rope_bytes": rope_bytes,
+            "rope_transient_bytes": sum(r["transient"] for r in rope),
+            "rope_groups": [
+                {"rows": "computed" if g.computed else "stored", **r}
+                for g, r in zip(self.rotary, rope, strict=True)
+            ],
+            "evicted_tokens": evicted,
+            "spare_bytes": sum(r["spare_bytes"] for r in per_layer) + sum(r["spare"] for r in rope),
             "compression": fp16 / total if total else float("nan"),
             "layers": per_layer,
         }
@@ -240,12 +228,13 @@ def storage_dtype(policy_bits: tuple[int, int], model_dtype: torch.dtype | None)
 
 
 def _packed_layer(
-    policy: ModelPolicy, layer: int, backend: str, model_dtype: torch.dtype | None = None
+    policy: ModelPolicy, layer: int, backend: str, model_dtype: torch.dtype | None = None,
+    window: int | None = None,
 ) -> PackedKVLayer:
     k, v = policy.get(layer, "key"), policy.get(layer, "value")
     return PackedKVLayer(
         QuantSpec(k.bits, k.group_size, k.axis.value),
         QuantSpec(v.bits, v.group_size, v.axis.value),
         residual=k.residual, sinks=k.sinks, backend=backend, pre_rope=k.pre_rope,
-        dtype=storage_dtype((k.bits, v.bits), model_dtype),
+        dtype=storage_dtype((k.bits, v.bits), model_dtype), window=window,
     )

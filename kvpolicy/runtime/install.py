@@ -132,9 +132,11 @@ class CompiledModel:
     cache_kw: str | None = None
 
     model_dtype: torch.dtype | None = None
+    windows: dict[int, int] = field(default_factory=dict)  # layer -> sliding window
 
     def new_cache(self) -> KVPolicyCache:
-        return KVPolicyCache(self.policy, backend=self.backend, model_dtype=self.model_dtype)
+        return KVPolicyCache(self.policy, backend=self.backend, model_dtype=self.model_dtype,
+                             windows=self.windows)
 
 
 class _BlockForward:

@@ -11,6 +11,13 @@ residual holds at least ``residual + chunk`` tokens, oldest first, and a packed 
 never re-quantized. Packing therefore happens at the same token indices whether tokens
 arrive one at a time or in bulk, so both give bit-identical caches.
 
+A sliding-window layer (``window`` W: query ``i`` sees keys ``i - W < j <= i``, as the
+model's mask says) drops what no later query can see: :meth:`slide`, called after each
+step, frees the sinks, whole packed chunks and residual tokens that lie before the
+window, so the layer holds at most ``max(W - 1 + chunk, residual + chunk)`` tokens
+between steps. ``seq_len`` counts the tokens held,
+``n_seen`` every token appended since the last :meth:`clear` (the running index).
+
 Keys may be stored *before* RoPE (``rope`` given): every key keeps its absolute position
 and is rotated after dequantization inside attention (docs/design.md §2). Attention runs
 over the packed segment and the full-precision one (sinks and residual) and the partial
@@ -28,11 +35,24 @@ import torch
 
 from ..errors import CacheError
 from ..kernels.backend import Backend, check_name, select
+from ..kernels.contract import quantize_in_blocks
 from ..kernels.layout import Packed, QuantSpec, RotarySpec
-from ..kernels.masks import causal_mask, to_additive
+from ..kernels.masks import mask_rows, none_if_open
+from .checks import align_window_mask, check_pair, check_query
 from .growing import Growing
+from .positions import Positions, TokenPositions
 
 __all__ = ["PackedKVLayer"]
+
+# Query rows per attention call of a multi-token query: its scores and mask rows are
+# [B, Hq, _ROWS, seq_len] at most, whatever Tq is. NOTE: a 1,024-token chunk onto 8K
+# packed tokens (2 kv heads, 4 query heads, D=64, 1 thread): 259 / 233 / 238 / 268 ms at
+# 64 / 128 / 256 / 512 rows per call; 1,024 rows (past the C++ kernel's row limit) 712 ms.
+_ROWS = 256
+# Elements of one quantize call (its fp32 temporaries are a few times this). NOTE: 32K
+# tokens x 2 heads x 64 channels at 2 bits, 1 thread: keys / values 29 / 37 ms in one
+# call, 30 / 40 ms in blocks of this size, 27 / 38 ms in blocks of a quarter of it.
+_QUANT_ELEMENTS = 1 << 20
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -60,6 +80,8 @@ class PackedKVLayer:
         dtype: storage dtype of full-precision tokens and of scales/zeros; appended
             tensors are cast to it. ``None``: the dtype of the first append, and later
             appends must match it.
+        window: the model's sliding window W for this layer, or None (global attention):
+            :meth:`slide` then evicts tokens that have left the window.
     """
 
     def __init__(
@@ -73,12 +95,16 @@ class PackedKVLayer:
         backend: str = "auto",
         dtype: torch.dtype | None = None,
         pre_rope: bool | None = None,
+        window: int | None = None,
     ) -> None:
         if not isinstance(key_spec, QuantSpec) or not isinstance(value_spec, QuantSpec):
             raise CacheError("key_spec and value_spec must be kvpolicy QuantSpec instances")
         if residual < 0 or sinks < 0:
             raise CacheError(f"residual={residual} and sinks={sinks} must be >= 0")
         check_name(backend)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window < 1):
+            raise CacheError(f"window={window!r} must be a positive int (or None: global)")
         if dtype is not None and not dtype.is_floating_point:
             raise CacheError(f"dtype={dtype} is not a floating dtype; use bfloat16/float16/32")
         self.key_spec = key_spec
@@ -91,6 +117,7 @@ class PackedKVLayer:
             raise CacheError("rope given with pre_rope=False; drop one of them")
         self.backend = backend
         self.dtype = dtype
+        self.window = window
         self.chunk = math.lcm(key_spec.token_group, value_spec.token_group)
         self._chosen: tuple[torch.device, Backend] | None = None  # see _kernels
         self._reset()
@@ -108,11 +135,12 @@ class PackedKVLayer:
         self._packed_views: tuple[Packed, Packed] | None = None
         self._res_k: torch.Tensor | None = None  # [B, Hkv, r, Dk]
         self._res_v: torch.Tensor | None = None
-        # NOTE: positions are stored as int32: at 2 bits with SmolLM2 shapes a token costs
-        # ~150 bytes per layer, and int64 positions alone would take the 32K compression
-        # below 5x (bench/cache_memory.py). Only stored for pre-RoPE keys.
-        self._pos = Growing(1)  # [B, total] int32
-        self._max_pos = -1  # largest stored position: checked against a table per attend
+        # Positions of pre-RoPE keys (only those), implicit where contiguous
+        # (runtime.positions). NOTE: at 2 bits with SmolLM2 shapes a token costs ~150 bytes
+        # per layer; int32 positions per token took the 8K compression of
+        # bench/cache_memory.py from 4.92x to 4.79x.
+        self._pos = Positions()
+        self._evicted = 0  # tokens dropped from the front by slide()
 
     def clear(self) -> None:
         """Drop every token (keeps the configuration)."""
@@ -122,6 +150,16 @@ class PackedKVLayer:
     def seq_len(self) -> int:
         """Tokens held (sinks + packed + residual)."""
         return self.n_sinks + self._n_packed + self.n_residual
+
+    @property
+    def n_seen(self) -> int:
+        """Tokens appended since the last clear: evicted + held (the running index)."""
+        return self._evicted + self.seq_len
+
+    @property
+    def n_evicted(self) -> int:
+        """Tokens :meth:`slide` has dropped from the front (a sliding-window layer)."""
+        return self._evicted
 
     @property
     def n_sinks(self) -> int:
@@ -141,44 +179,22 @@ class PackedKVLayer:
 
     def positions(self) -> torch.Tensor | None:
         """Stored key positions ``[B, seq_len]`` int64 (None unless keys are pre-RoPE)."""
-        p = self._pos.view()
-        return None if p is None else p.long()
+        if self._device is None or not self._pos.n:
+            return None
+        return self._pos.tensor(self._device).contiguous()
+
+    def held_positions(self) -> Positions:
+        """The stored positions as runs (``runtime.positions``; read-only)."""
+        return self._pos
 
     # ------------------------------------------------------------------ validation
 
     def _validate_append(
         self, key: Any, value: Any, positions: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        for name, t in (("key", key), ("value", value)):
-            if not isinstance(t, torch.Tensor):
-                raise CacheError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() != 4:
-                raise CacheError(
-                    f"{name} must be [batch, kv_heads, tokens, head_dim], got shape "
-                    f"{tuple(t.shape)}; transpose to the Hugging Face layout first"
-                )
-            if not t.dtype.is_floating_point:
-                raise CacheError(f"{name} has dtype {t.dtype}; pass a floating tensor")
-        if key.shape[:3] != value.shape[:3]:
-            raise CacheError(
-                f"key {tuple(key.shape)} and value {tuple(value.shape)} disagree on "
-                f"[batch, kv_heads, tokens]; append matching key/value pairs"
-            )
-        if key.dtype != value.dtype:
-            raise CacheError(
-                f"key dtype {key.dtype} != value dtype {value.dtype}; cast both to one dtype"
-            )
-        if key.device != value.device:
-            raise CacheError(f"key on {key.device}, value on {value.device}; use one device")
+    ) -> tuple[torch.Tensor, torch.Tensor, TokenPositions | None]:
+        check_pair(key, value, self.key_spec, self.value_spec)
         b, h, t, dk = key.shape
         dv = value.shape[3]
-        for name, spec, d in (("key", self.key_spec, dk), ("value", self.value_spec, dv)):
-            if spec.axis == "token" and not spec.full_precision and d % spec.group_size:
-                raise CacheError(
-                    f"{name} head_dim={d} is not a multiple of group_size="
-                    f"{spec.group_size} (per-token groups span channels); use a group size "
-                    f"that divides {d}"
-                )
         if self._shape is not None:
             want = self._shape
             if (b, h, dk, dv) != want:
@@ -208,26 +224,13 @@ class PackedKVLayer:
                 f"in full precision, or clamp activations before caching)"
             )
         pos = None
-        if positions is not None:
-            if not isinstance(positions, torch.Tensor) or positions.dtype not in (
-                torch.int64, torch.int32
-            ):
-                raise CacheError("positions must be an int64 tensor [batch, tokens]")
-            if positions.shape != (b, t):
-                raise CacheError(
-                    f"positions must be [batch, tokens] = {(b, t)}, got {tuple(positions.shape)}"
-                )
-            pos = positions.to(key.device, torch.int64)
-        if self.pre_rope and pos is None:
-            start = self.seq_len
-            pos = torch.arange(start, start + t, device=key.device).expand(b, t)
-        if self.pre_rope and t and (int(pos.min()) < 0 or int(pos.max()) >= 2**31):
-            raise CacheError(f"positions must lie in [0, 2**31), got [{int(pos.min())}, "
-                             f"{int(pos.max())}]")
+        if positions is not None or self.pre_rope:
+            # Default: the running index, known without a sync.
+            pos = TokenPositions.checked(positions, b, t, key.device, self.n_seen)
         if self.rope is not None:
-            if t and int(pos.max()) >= self.rope.max_positions:
+            if t and pos.hi >= self.rope.max_positions:
                 raise CacheError(
-                    f"positions span [{int(pos.min())}, {int(pos.max())}] but the rotary table "
+                    f"positions span [{pos.lo}, {pos.hi}] but the rotary table "
                     f"has {self.rope.max_positions} rows; build the RotarySpec longer"
                 )
             if self.rope.rotary_dim > dk or self.rope.rotary_dim % 2:
@@ -250,13 +253,16 @@ class PackedKVLayer:
     # ------------------------------------------------------------------ append
 
     def append(
-        self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor | None = None
+        self, key: torch.Tensor, value: torch.Tensor,
+        positions: torch.Tensor | TokenPositions | None = None,
     ) -> None:
         """Add ``key``/``value`` ``[B, Hkv, T, D]`` (pre-RoPE keys when ``rope`` is set).
 
         Args:
             positions: ``[B, T]`` int64 absolute positions of the new tokens (used for
-                RoPE); default: the running index ``seq_len .. seq_len + T - 1``.
+                RoPE; contiguous rows are kept as a base, the rest per token), or
+                ``runtime.positions.TokenPositions`` with known bounds (no device sync);
+                default: the running index ``n_seen .. n_seen + T - 1``.
         Raises:
             CacheError: on bad input; the cache is left exactly as it was.
         """
@@ -268,8 +274,8 @@ class PackedKVLayer:
         # Build the new state in locals, then commit: nothing below raises on valid input,
         # and an unexpected failure (e.g. out of memory) leaves the old state in place.
         store = key.dtype
-        n_sink = self.n_sinks
-        take = min(self.sinks - n_sink, t)
+        # Sinks are the first tokens ever appended (counted with the evicted ones).
+        take = max(0, min(self.sinks - self.n_seen, t))
         sink_k, sink_v = self._sink_k, self._sink_v
         if take > 0:
             sink_k = _cat(sink_k, key[:, :, :take], 2)
@@ -283,10 +289,14 @@ class PackedKVLayer:
         n_chunks = (r - self.residual) // self.chunk if r >= self.residual + self.chunk else 0
         if n_chunks:
             n = n_chunks * self.chunk
-            # Chunks are independent groups, so quantizing n_chunks at once is bit-identical
-            # to quantizing them one by one.
-            qk = quantize(res_k[:, :, :n], self.key_spec, store)
-            qv = quantize(res_v[:, :, :n], self.value_spec, store)
+            # Chunks are independent groups, so quantizing them in blocks is bit-identical
+            # to quantizing them one by one; blocks bound the fp32 temporaries of a long
+            # prefill to a few _QUANT_ELEMENTS each.
+            per = max(1, _QUANT_ELEMENTS // (b * h * max(dk, value.shape[3]) * self.chunk))
+            qk = quantize_in_blocks(quantize, res_k[:, :, :n], self.key_spec, store,
+                                  per * self.chunk)
+            qv = quantize_in_blocks(quantize, res_v[:, :, :n], self.value_spec, store,
+                                  per * self.chunk)
             # Full-precision specs have empty scale/zero: those buffers stay empty.
             pk = tuple(
                 buf if x.numel() == 0 else buf.appended(x) for buf, x in zip(pk, qk, strict=True)
@@ -296,11 +306,10 @@ class PackedKVLayer:
             )
             n_packed += n
             res_k, res_v = res_k[:, :, n:].contiguous(), res_v[:, :, n:].contiguous()
-        new_pos, max_pos = self._pos, self._max_pos
+        new_pos = self._pos
         if self.pre_rope:
             assert pos is not None
-            new_pos = self._pos.appended(pos.to(torch.int32))
-            max_pos = max(self._max_pos, int(pos.max()))
+            new_pos = self._pos.appended(pos, key.device)
         # commit
         self._shape = (b, h, dk, value.shape[3])
         self._device = key.device
@@ -309,7 +318,55 @@ class PackedKVLayer:
         if n_packed != self._n_packed:
             self._packed_views = None
         self._pk, self._pv, self._n_packed = pk, pv, n_packed
-        self._pos, self._max_pos = new_pos, max_pos
+        self._pos = new_pos
+
+    def slide(self) -> int:
+        """Evict what no query after the last appended token can see; returns the count.
+
+        With a window W the next query (at index ``n_seen``) sees keys from index
+        ``n_seen - W + 1`` on. Sinks before that index go, then whole packed chunks that
+        end before it (a chunk the window still reaches stays whole), then, once nothing
+        is packed, the residual's oldest tokens (a window shorter than the residual).
+        A layer without a window keeps everything (returns 0). Call it
+        after a step has attended (``KVAttend`` does): the queries of the step itself may
+        reach one token further back.
+        """
+        if self.window is None or self._shape is None:
+            return 0
+        drop = self.n_seen - self.window + 1 - self._evicted  # held tokens out of reach
+        ns = self.n_sinks
+        d_s = max(0, min(ns, drop))
+        d_p = d_r = 0
+        if d_s == ns:
+            d_p = min(self._n_packed, (drop - ns) // self.chunk * self.chunk)
+            if d_p == self._n_packed:
+                d_r = max(0, min(self.n_residual, drop - ns - d_p))
+        if d_s + d_p + d_r == 0:
+            return 0
+        sink_k, sink_v = self._sink_k, self._sink_v
+        if d_s:  # a copy, so that the dropped sinks are freed
+            sink_k = None if d_s == ns else sink_k[:, :, d_s:].clone()
+            sink_v = None if d_s == ns else sink_v[:, :, d_s:].clone()
+        pk, pv = self._pk, self._pv
+        if d_p:
+            # Every buffer holds a whole number of entries per chunk along dim 2.
+            pk = tuple(buf if buf.data is None else buf.dropped(buf.n * d_p // self._n_packed)
+                       for buf in pk)
+            pv = tuple(buf if buf.data is None else buf.dropped(buf.n * d_p // self._n_packed)
+                       for buf in pv)
+        res_k, res_v = self._res_k, self._res_v
+        if d_r:  # a view: the next append's concatenation frees the dropped tokens
+            res_k, res_v = res_k[:, :, d_r:], res_v[:, :, d_r:]
+        n = d_s + d_p + d_r
+        new_pos = self._pos.dropped(n) if self._pos.n else self._pos
+        # commit
+        self._sink_k, self._sink_v = sink_k, sink_v
+        self._res_k, self._res_v = res_k, res_v
+        self._pk, self._pv, self._n_packed = pk, pv, self._n_packed - d_p
+        self._packed_views = None
+        self._pos = new_pos
+        self._evicted += n
+        return n
 
     # ------------------------------------------------------------------ read
 
@@ -357,43 +414,16 @@ class PackedKVLayer:
             vs.append(self._res_v.to(store))
         return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
-    def _validate_query(self, query: Any, attn_mask: Any) -> None:
-        if self._shape is None:
+    def _validate_query(
+        self, query: Any, attn_mask: Any, pending: torch.Tensor | None = None
+    ) -> None:
+        if self._shape is None and pending is None:
             raise CacheError("attend() on an empty cache; append() the keys and values first")
-        b, h, dk, _ = self._shape
-        if not isinstance(query, torch.Tensor) or query.dim() != 4:
-            shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query)
-            raise CacheError(f"query must be [batch, q_heads, q_len, head_dim], got {shape}")
-        if not query.dtype.is_floating_point:
-            raise CacheError(f"query has dtype {query.dtype}; pass a floating tensor")
-        qb, qh, tq, qd = query.shape
-        if qb != b:
-            raise CacheError(f"query batch {qb} != cache batch {b}; reorder() the cache first")
-        if qd != dk:
-            raise CacheError(f"query head_dim {qd} != key head_dim {dk}")
-        if qh % h:
-            raise CacheError(
-                f"{qh} query heads are not a multiple of the cache's {h} kv heads (GQA needs "
-                f"q_heads % kv_heads == 0)"
-            )
-        if query.device != self._device:
-            raise CacheError(f"query on {query.device} but the cache lives on {self._device}")
-        if not torch.isfinite(query).all():
-            raise CacheError("query holds NaN or Inf")
-        if attn_mask is not None:
-            if not isinstance(attn_mask, torch.Tensor):
-                raise CacheError("attn_mask must be a bool or float tensor")
-            want = (b, qh, tq, self.seq_len)
-            ok = attn_mask.dim() == 4 and all(
-                m in (1, w) for m, w in zip(attn_mask.shape, want, strict=True)
-            )
-            if not ok or attn_mask.shape[1] not in (1, qh):
-                raise CacheError(
-                    f"attn_mask {tuple(attn_mask.shape)} does not broadcast to [batch, 1|heads, "
-                    f"q_len, cached tokens] = {want}"
-                )
-            if not (attn_mask.dtype == torch.bool or attn_mask.dtype.is_floating_point):
-                raise CacheError(f"attn_mask dtype {attn_mask.dtype}: use bool or float")
+        # [B, Hkv, *, Dk] on the cache's device (an empty cache: the pending keys)
+        ref = next(t for t in (self._sink_k, self._res_k, pending) if t is not None)
+        (b, h, _, dk), device = ref.shape, ref.device
+        check_query(query, attn_mask, (b, h, dk), device,
+                    self.seq_len + (0 if pending is None else pending.shape[2]))
 
     def attend(
         self,
@@ -403,6 +433,7 @@ class PackedKVLayer:
         attn_mask: torch.Tensor | None = None,
         causal: bool = True,
         rope: RotarySpec | None = None,
+        pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """Softmax attention of ``query [B, Hq, Tq, D]`` over every cached token.
 
@@ -410,14 +441,28 @@ class PackedKVLayer:
             query: post-RoPE queries (the model rotates them); ``Hq % Hkv == 0``.
             scale: multiplies ``q·k``; default ``1/sqrt(D)``.
             attn_mask: bool (True = attend) or additive float, broadcastable to
-                ``[B, 1|Hq, Tq, seq_len]``. Takes precedence over ``causal``.
-            causal: without a mask, query ``i`` sees cache index ``<= seq_len - Tq + i``.
+                ``[B, 1|Hq, Tq, seq_len (+ pending)]``. Takes precedence over ``causal``.
+            causal: without a mask, query ``i`` sees key ``<= total - Tq + i``, where
+                ``total`` counts the cached and the pending tokens.
             rope: the rotary table for this call (overrides the layer's ``rope``); the
                 stored positions index it.
+            pending: ``(key, value, positions)`` of tokens that follow the cached ones and
+                are not stored, attended in full precision (the residual's dtype); the
+                arguments of :meth:`append`, which the caller calls next. A chunk of a
+                prompt attends over its own tokens this way, as a prefill does.
         Returns:
             ``[B, Hq, Tq, Dv]`` in ``query.dtype``.
+
+        A query of many rows is attended in blocks of rows, each with only its own rows of
+        the mask: no ``[Tq, seq_len]`` mask or score matrix is built.
         """
-        self._validate_query(query, attn_mask)
+        new_k = new_v = new_pos = None
+        if pending is not None:
+            new_k, new_v, new_pos = self._validate_append(*pending)
+        if self.window is not None:
+            attn_mask = align_window_mask(
+                attn_mask, self.seq_len + (0 if new_k is None else new_k.shape[2]))
+        self._validate_query(query, attn_mask, new_k)
         if rope is None:
             rope = self.rope
         elif not self.pre_rope:
@@ -425,36 +470,52 @@ class PackedKVLayer:
                              "keys are post-RoPE and no positions were stored")
         if rope is not None and rope.rotary_dim > query.shape[-1]:
             raise CacheError(f"rotary_dim={rope.rotary_dim} > head_dim={query.shape[-1]}")
-        if rope is not None and self._max_pos >= rope.max_positions:
+        max_pos = self._pos.hi
+        if rope is not None and new_pos is not None and new_pos.count:
+            max_pos = max(max_pos, new_pos.hi)
+        if rope is not None and max_pos >= rope.max_positions:
             raise CacheError(
-                f"a cached key sits at position {self._max_pos} but the rotary table has "
+                f"a key sits at position {max_pos} but the rotary table has "
                 f"{rope.max_positions} rows; pass a table that covers every stored position"
             )
-        b, hq, tq, d = query.shape
-        total = self.seq_len
+        tq, d = query.shape[2:]
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        mask = self._additive_mask(attn_mask, causal, tq, total, query.device)
         ns, npk = self.n_sinks, self._n_packed
-        pk = pv = kpos = fpos = pmask = fmask = None
+        pk = pv = kpos = fpos = None
         if npk:
             pk, pv = self._packed()
         fk, fv = self._fp_segment()
-        if rope is not None:
-            p = self._pos.view()
-            kpos = p[:, ns : ns + npk]
-            fpos = torch.cat((p[:, :ns], p[:, ns + npk :]), dim=1)
-        if mask is not None:
-            if npk:
-                pmask = self._drop_if_open(mask[..., ns : ns + npk])
-            if fk is not None:
-                pieces = (mask[..., :ns], mask[..., ns + npk :])
-                fmask = self._drop_if_open(torch.cat(pieces, dim=-1))
-        out, _ = self._kernels(query.device).decode_attention(
-            query.float(), pk, pv, self.key_spec, self.value_spec, fk, fv,
-            scale=scale, mask=pmask, fp_mask=fmask, rope=rope,
-            k_positions=kpos, fp_positions=fpos, check_positions=False,  # checked above
-        )
-        return out.to(query.dtype)
+        if rope is not None and self._pos.n:
+            dev, n = query.device, self._pos.n
+            kpos = self._pos.tensor(dev, ns, ns + npk)
+            fpos = self._pos.tensor(dev, 0, ns) if ns + npk == n else torch.cat(
+                (self._pos.tensor(dev, 0, ns), self._pos.tensor(dev, ns + npk, n)), dim=1)
+        total = self.seq_len
+        if new_k is not None and new_k.shape[2]:
+            total += new_k.shape[2]
+            fk = new_k if fk is None else torch.cat((fk, new_k), dim=2)
+            fv = new_v if fv is None else torch.cat((fv, new_v), dim=2)
+            if rope is not None:
+                new = new_pos.tensor(query.device)
+                fpos = new if fpos is None else torch.cat((fpos, new), dim=1)
+        decode = self._kernels(query.device).decode_attention
+        outs = []
+        for r0 in range(0, tq, _ROWS):
+            rows = range(r0, min(tq, r0 + _ROWS))
+            mask = mask_rows(attn_mask, causal, rows, tq, total, query.device)
+            pmask = fmask = None
+            if mask is not None:
+                if npk:
+                    pmask = none_if_open(mask[..., ns : ns + npk])
+                if fk is not None:
+                    pieces = (mask[..., :ns], mask[..., ns + npk :])
+                    fmask = none_if_open(torch.cat(pieces, dim=-1))
+            outs.append(decode(
+                query[:, :, r0 : rows.stop].float(), pk, pv, self.key_spec, self.value_spec,
+                fk, fv, scale=scale, mask=pmask, fp_mask=fmask, rope=rope,
+                k_positions=kpos, fp_positions=fpos, check_positions=False,  # checked above
+            )[0])
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(query.dtype)
 
     def _fp_segment(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Sinks and residual window as one full-precision segment ``(k, v)``."""
@@ -465,23 +526,6 @@ class PackedKVLayer:
         if len(fk) == 1:
             return fk[0], fv[0]
         return torch.cat(fk, dim=2), torch.cat(fv, dim=2)
-
-    @staticmethod
-    def _drop_if_open(mask: torch.Tensor | None) -> torch.Tensor | None:
-        """None for a mask that hides nothing (lets kernels skip the mask read)."""
-        if mask is None or mask.numel() == 0:
-            return mask
-        return None if bool((mask == 0).all()) else mask
-
-    @staticmethod
-    def _additive_mask(
-        attn_mask: torch.Tensor | None, causal: bool, tq: int, total: int, device: torch.device
-    ) -> torch.Tensor | None:
-        if attn_mask is not None:
-            return to_additive(attn_mask, device)
-        if not causal or tq == 1:
-            return None  # a single query at the end sees every cached token
-        return causal_mask(tq, total, device)[None, None]
 
     # ------------------------------------------------------------------ misc
 
@@ -506,15 +550,18 @@ class PackedKVLayer:
         self._packed_views = None
         self._pk = tuple(buf.index_select(idx) for buf in self._pk)
         self._pv = tuple(buf.index_select(idx) for buf in self._pv)
-        self._pos = self._pos.index_select(idx)
+        self._pos = self._pos.select(idx)
         self._shape = (idx.numel(), *self._shape[1:])
 
     def memory_report(self) -> dict[str, Any]:
         """Bytes actually held, by segment, and what a plain fp16 cache would take.
 
-        ``bytes`` counts codes, scales, zeros, sinks, residual and stored positions (the
-        logical sizes; ``allocated_bytes`` adds the spare capacity of growing buffers).
-        ``fp16_bytes`` is ``2 * B * Hkv * seq_len * (Dk + Dv)``.
+        ``bytes`` counts everything the layer holds: codes, scales, zeros, sinks, residual
+        and positions (a few bytes per run of contiguous tokens, 4 per explicit one).
+        ``spare_bytes`` is the allocated but unused capacity of growing buffers;
+        ``allocated_bytes`` is ``bytes + spare_bytes``. ``fp16_bytes`` is
+        ``2 * B * Hkv * seq_len * (Dk + Dv)`` (the tokens held; a sliding-window layer's
+        evicted tokens are counted in ``evicted_tokens``).
         """
         tokens = self.seq_len
         sink = _nbytes(self._sink_k) + _nbytes(self._sink_v)
@@ -525,7 +572,7 @@ class PackedKVLayer:
         pos = self._pos.nbytes
         total = sink + resid + codes + scales + zeros + pos
         alloc = sink + resid + sum(buf.allocated_bytes for buf in (*self._pk, *self._pv))
-        alloc += self._pos.allocated_bytes
+        alloc += pos + self._pos.spare_bytes
         fp16 = 0
         if self._shape is not None:
             b, h, dk, dv = self._shape
@@ -535,6 +582,8 @@ class PackedKVLayer:
             "sink_tokens": self.n_sinks,
             "packed_tokens": self._n_packed,
             "residual_tokens": self.n_residual,
+            "evicted_tokens": self._evicted,
+            "window": self.window,
             "bytes": total,
             "sink_bytes": sink,
             "residual_bytes": resid,
@@ -542,6 +591,7 @@ class PackedKVLayer:
             "scale_bytes": scales,
             "zero_bytes": zeros,
             "position_bytes": pos,
+            "spare_bytes": alloc - total,
             "allocated_bytes": alloc,
             "fp16_bytes": fp16,
             "compression": fp16 / total if total else float("nan"),
