@@ -94,18 +94,25 @@ def test_stored_rows_grow_amortised():
     assert torch.equal(spec.cos[held.tensor("cpu")[0]], torch.cat([c[0] for c, _ in rows]))
 
 
+def _same_greedy(ref, model, ids, mask=None, steps: int = 30):
+    """``model``'s greedy generation of ``ids`` (left-padded where ``mask`` says), checked
+    token-identical to ``ref``'s; the generate output (with its cache)."""
+    with torch.no_grad():
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
+                            pad_token_id=0)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
+                             pad_token_id=0, return_dict_in_generate=True)
+    assert torch.equal(want, out.sequences)
+    return out
+
+
 def test_left_padded_positions_are_explicit_only_for_the_padding():
     ref, model = tiny_model("llama"), tiny_model("llama")
     kvpolicy.compile_model(model, bits=16)
     ids = _ids(2, 40)
     mask = torch.ones_like(ids)
     mask[0, :6] = 0
-    with torch.no_grad():
-        want = ref.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
-                            pad_token_id=0)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
-                             pad_token_id=0, return_dict_in_generate=True)
-    assert torch.equal(want, out.sequences)
+    out = _same_greedy(ref, model, ids, mask)
     rep = out.past_key_values.memory_report()
     assert [g["rows"] for g in rep["rope_groups"]] == ["computed"]
     layer = out.past_key_values.layers[0].packed
@@ -124,11 +131,7 @@ def test_scaled_rope_is_computed_and_exact(rope):
     ref, model = tiny_model("llama", **kw), tiny_model("llama", **kw)
     kvpolicy.compile_model(model, bits=16)
     ids = _ids(2, 30)
-    with torch.no_grad():
-        want = ref.generate(ids, max_new_tokens=60, do_sample=False, pad_token_id=0)
-        out = model.generate(ids, max_new_tokens=60, do_sample=False, pad_token_id=0,
-                             return_dict_in_generate=True)
-    assert torch.equal(want, out.sequences)
+    out = _same_greedy(ref, model, ids, steps=60)
     assert out.past_key_values.rotary[0].computed
 
 
@@ -143,11 +146,7 @@ def test_frequencies_that_change_mid_sequence_fall_back_to_stored_rows():
     model = tiny_model("llama", rope_parameters=rope)
     kvpolicy.compile_model(model, bits=16)
     ids = _ids(2, 30)
-    with torch.no_grad():
-        want = ref.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=0)
-        out = model.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=0,
-                             return_dict_in_generate=True)
-    assert torch.equal(want, out.sequences)
+    out = _same_greedy(ref, model, ids, steps=40)
     assert not out.past_key_values.rotary[0].computed
 
 
@@ -175,12 +174,7 @@ def test_layers_with_other_angles_get_their_own_group():
     ids = _ids(2, 30)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
-    with torch.no_grad():
-        want = ref.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
-                            pad_token_id=0)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
-                             pad_token_id=0, return_dict_in_generate=True)
-    assert torch.equal(want, out.sequences)
+    out = _same_greedy(ref, model, ids, mask)
     cache = out.past_key_values
     local = [t == "sliding_attention" for t in model.config.layer_types]
     assert len(cache.rotary) == 2 and all(g.computed for g in cache.rotary)
