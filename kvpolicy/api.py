@@ -134,6 +134,11 @@ def compile_model(
         KVPolicyError: compiled twice; a bad backend; a policy or graph kvpolicy cannot
             handle. The model is left unchanged.
     """
+    if not isinstance(model, nn.Module):
+        hint = " (zoo.load returns (model, tokenizer))" if isinstance(model, tuple) else ""
+        raise KVPolicyError(
+            f"compile_model needs a torch.nn.Module, got {type(model).__name__}{hint}"
+        )
     if compiled_of(model) is not None:
         raise KVPolicyError(
             f"{type(model).__name__} is already compiled by kvpolicy; compile a fresh copy "

@@ -154,6 +154,12 @@ def test_compiling_twice_is_refused():
         kvpolicy.compile_model(model, bits=2)
 
 
+def test_a_non_module_is_refused_with_its_type():
+    model = tiny_model("llama")
+    with pytest.raises(KVPolicyError, match=r"needs a torch.nn.Module, got tuple \(zoo.load"):
+        kvpolicy.compile_model((model, None), bits=2)
+
+
 class _NoAttention(nn.Module):
     def __init__(self):
         super().__init__()
