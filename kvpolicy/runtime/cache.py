@@ -54,7 +54,10 @@ class KVPolicyLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.rotary: RotaryGroup | None = None
         self.is_initialized = True
-        self.is_sliding = packed.window is not None
+
+    @property
+    def is_sliding(self) -> bool:  # noqa: D102
+        return self.packed.window is not None
 
     def lazy_initialization(self, key_states, value_states) -> None:  # noqa: D102
         return None
@@ -120,7 +123,6 @@ class KVPolicyCache(Cache):
         super().__init__(layers=layers)
         self.policy = policy
         self.backend = backend
-        self.windows = dict(windows)
         self.rotary: list[RotaryGroup] = []
 
     @classmethod
