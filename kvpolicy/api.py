@@ -16,8 +16,9 @@ from typing import Any
 from torch import nn
 
 from .analysis.analyse import analyse_model
+from .analysis.config import sliding_windows
 from .calibrate.budget import budget_policy
-from .compiler import compile_blocks, sliding_windows
+from .compiler import compile_blocks
 from .errors import KVPolicyError
 from .kernels.backend import check_name as check_backend
 from .policy import ModelPolicy, PolicySpec, build_policy, load_spec

@@ -23,6 +23,7 @@ from .analysis.analyse import (
     analyse_block,
     probe_inputs,
 )
+from .analysis.config import sliding_windows
 from .analysis.trace import AttentionCall, dynamic_dims, find_attention_blocks, trace_block
 from .errors import KVPolicyError
 from .policy import ModelPolicy
@@ -40,35 +41,6 @@ from .runtime.rotary import rotary_sources
 __all__ = ["compile_blocks", "sliding_windows"]
 
 log = logging.getLogger(__name__)
-
-
-def sliding_windows(model: nn.Module, n_layers: int) -> dict[int, int]:
-    """Attention layer -> sliding window, for the layers the model's config marks local.
-
-    Read as transformers reads it to build its own cache and masks: ``layer_types``
-    (``"sliding_attention"``; Gemma2/3, gpt-oss, Qwen2 with ``use_sliding_window``), or,
-    without it, a ``sliding_window`` set on the config (Mistral: every layer). A model
-    without a config (a hand-written module) has no window layers: its masks are its own.
-    Chunked attention (Llama 4) is not a window and is left alone.
-    """
-    config = getattr(model, "config", None)
-    if config is None:
-        return {}
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config(decoder=True)
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        return {}
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        return dict.fromkeys(range(n_layers), window)
-    if len(types) != n_layers:
-        log.warning(
-            "config.layer_types names %d layers but %d attention layers were found; "
-            "no layer evicts outside its window", len(types), n_layers,
-        )
-        return {}
-    return {i: window for i, t in enumerate(types) if t == "sliding_attention"}
 
 
 def compile_blocks(

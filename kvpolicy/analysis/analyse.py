@@ -19,6 +19,7 @@ from torch import fx, nn
 
 from ..errors import AnalysisError
 from ..state import state_of
+from .config import check_supported, probe_lengths
 from .contraction import (
     CachePoint,
     Consumer,
@@ -186,12 +187,14 @@ def analyse_model(model: nn.Module) -> ModelAnalysis:
     st = state_of(model)
     if st.analysis is not None:
         return st.analysis
+    check_supported(model)
     start = time.perf_counter()
+    short, long = probe_lengths(model)
     was_training = model.training
     model.eval()
     try:
-        calls = find_attention_blocks(model, probe_inputs(model, 2, 7))
-        calls2 = find_attention_blocks(model, probe_inputs(model, 3, 11))
+        calls = find_attention_blocks(model, probe_inputs(model, 2, short))
+        calls2 = find_attention_blocks(model, probe_inputs(model, 3, long))
     finally:
         model.train(was_training)
     if len(calls) != len(calls2):

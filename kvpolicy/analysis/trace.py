@@ -164,6 +164,17 @@ def find_attention_blocks(model: nn.Module, *inputs: Any, **kw_inputs: Any) -> l
     try:
         with torch.no_grad(), _ConsumerWatch(stack, hits):
             model(*inputs, **kw_inputs)
+    except Exception as exc:  # re-raised with what was called; the cause stays chained
+        shapes = ", ".join(
+            f"{k}{list(v.shape)}" if isinstance(v, torch.Tensor) else k
+            for k, v in [*(("ids", x) for x in inputs), *kw_inputs.items()]
+        )
+        raise AnalysisError(
+            f"the probe forward {type(model).__name__}({shapes}) failed: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. kvpolicy "
+            "finds attention blocks by calling the model once on token ids; it needs a model "
+            "whose forward takes token ids alone (a decoder-only LM)"
+        ) from exc
     finally:
         for h in handles:
             h.remove()

@@ -108,7 +108,7 @@ class KVPolicyCache(Cache):
 
     Args:
         windows: attention layer -> sliding window of the layers the model marks as local
-            (``compiler.sliding_windows``); those layers evict what leaves the window.
+            (``analysis.config.sliding_windows``); those layers evict what leaves the window.
     """
 
     def __init__(

@@ -158,18 +158,22 @@ def _ids(n: int, seed: int = 0) -> torch.Tensor:
 
 WINDOW_MODELS = {
     # window below the residual (Gemma3's local layers: every layer of a 2-layer model)
-    "gemma3_text": dict(sliding_window=24),
+    "gemma3_text": ("gemma3_text", dict(sliding_window=24)),
     # window above residual + group (Mistral: every layer)
-    "mistral": dict(sliding_window=170),
+    "mistral": ("mistral", dict(sliding_window=170)),
     # one full layer, one window layer (Qwen2's max_window_layers)
-    "qwen2": dict(use_sliding_window=True, sliding_window=40, max_window_layers=1),
+    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=40, max_window_layers=1)),
+    # windows shorter than the default probes (7 and 11 tokens): traced from shorter ones
+    "gemma3_text-window6": ("gemma3_text", dict(sliding_window=6)),
+    "mistral-window9": ("mistral", dict(sliding_window=9)),
 }
 
 
-@pytest.mark.parametrize("arch", list(WINDOW_MODELS))
-def test_greedy_output_is_identical_at_16_bits_and_window_layers_stay_bounded(arch):
-    model = tiny_model(arch, max_position_embeddings=1024, **WINDOW_MODELS[arch])
-    window = WINDOW_MODELS[arch]["sliding_window"]
+@pytest.mark.parametrize("name", list(WINDOW_MODELS))
+def test_greedy_output_is_identical_at_16_bits_and_window_layers_stay_bounded(name):
+    arch, config = WINDOW_MODELS[name]
+    model = tiny_model(arch, max_position_embeddings=1024, **config)
+    window = config["sliding_window"]
     compiled = kvpolicy.compile_model(copy.deepcopy(model), bits=16, progress=False)
     ids = _ids(120)
     gen = dict(max_new_tokens=140, min_new_tokens=140, do_sample=False)
@@ -208,6 +212,16 @@ def test_packed_chunks_evicted_at_2_bits_change_nothing():
     assert torch.equal(evicting.sequences, keeping.sequences)
     torch.testing.assert_close(torch.stack(evicting.logits), torch.stack(keeping.logits),
                                atol=1e-5, rtol=1e-4)
+
+
+def test_a_window_too_small_to_trace_is_refused_and_the_model_left_usable():
+    model = tiny_model("mistral", sliding_window=3)
+    ids = _ids(12)
+    want = model(ids).logits
+    with pytest.raises(kvpolicy.AnalysisError, match="sliding window of 3 tokens is too small"):
+        kvpolicy.compile_model(model, bits=2, progress=False)
+    assert compiled_of(model) is None
+    torch.testing.assert_close(model(ids).logits, want)
 
 
 def test_multi_turn_after_eviction_matches_the_uncompiled_model_at_16_bits():
