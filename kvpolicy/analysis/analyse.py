@@ -29,7 +29,7 @@ from .contraction import (
 )
 from .facts import LayerFacts, TensorFacts
 from .fx_graph import op_name
-from .rope import RopeMatch, find_rope, precedes_projection
+from .rope import RopeMatch, find_rope, find_rope_in_place, precedes_projection
 from .trace import TracedBlock, block_kind, dynamic_dims, find_attention_blocks, trace_block
 
 __all__ = [
@@ -155,7 +155,12 @@ def analyse_block(traced: TracedBlock) -> BlockAnalysis:
     rope = find_rope(
         gm, kpoint.node, kpoint.shape[kpoint.token_dim], kpoint.head_dim, params, names
     )
+    rope_facts = rope.facts if rope is not None else None
     if rope is None:
+        # A rotation on one slice of a key written in place (MLA) is described, not moved.
+        rope_facts = find_rope_in_place(
+            gm, kpoint.node, kpoint.shape[kpoint.token_dim], kpoint.head_dim, params, names
+        )
         _check_single_source(kpoint, "key", names)
     _check_single_source(vpoint, "value", names)
     key_source = rope.pre_rope if rope is not None else kpoint.node
@@ -164,7 +169,7 @@ def analyse_block(traced: TracedBlock) -> BlockAnalysis:
         tensor="key", contracted=kpoint.contracted, head_dim=kpoint.head_dim,
         num_kv_heads=kpoint.num_heads, contraction=describe_contraction(c, "key", kpoint),
         source_node=key_source.name, consumer_node=c.node.name,
-        rope=rope.facts if rope is not None else None, norm_before_rope=norm_before,
+        rope=rope_facts, norm_before_rope=norm_before,
     )
     value = TensorFacts(
         tensor="value", contracted=vpoint.contracted, head_dim=vpoint.head_dim,

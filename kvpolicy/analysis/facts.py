@@ -44,10 +44,19 @@ class RopeFacts:
     sin_source: str | None  # None for the complex style (one freqs_cis tensor)
     pre_rope_node: str  # graph node holding the key right before the rotation
     description: str  # e.g. "rotate-half RoPE on channels 0-31 of 64 (partial)"
+    # First rotated channel. 0 for a rotation of the key itself; > 0 for the rotary slice
+    # of a key assembled from parts (MLA's decoupled RoPE key: channels 128-191 of 192).
+    first_channel: int = 0
 
     @property
     def partial(self) -> bool:
         return self.rotary_dim < self.head_dim
+
+    @property
+    def reapplicable(self) -> bool:
+        """Whether the cache can store the key before this rotation and re-apply it: the
+        kernels rotate channels ``0 .. rotary_dim - 1`` of a whole key."""
+        return self.first_channel == 0
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,9 @@ from .fx_graph import (
     sym_expr,
 )
 
-__all__ = ["RopeMatch", "find_rope", "key_dependent_nodes", "precedes_projection"]
+__all__ = [
+    "RopeMatch", "find_rope", "find_rope_in_place", "key_dependent_nodes", "precedes_projection",
+]
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +158,7 @@ def find_rope(
     else:
         log.debug("position multiplications without a recognisable channel pairing; not RoPE")
         return None
-    widths = {int(shape_of(m)[-1]) for m in pos_muls if not _is_complex(m)}
+    widths = {_rotated_width(m, dep) for m in pos_muls if not _is_complex(m)}
     cwidths = {2 * int(shape_of(m)[-1]) for m in pos_muls if _is_complex(m)}
     widths |= cwidths
     if len(widths) != 1:
@@ -217,6 +219,97 @@ def find_rope(
     return RopeMatch(
         facts=facts, pre_rope=pre, token_dim=tok[0], channel_dim=len(pre_shape) - 1,
         region=tuple(n.name for n in rotation), cos_node=cos_node, sin_node=sin_node,
+    )
+
+
+def _rotated_width(mul: fx.Node, dep: set[fx.Node]) -> int:
+    """Channels one position multiplication rotates: its width, twice that when it
+    multiplies the even or odd channels alone (``x[..., ::2] * cos``, DeepSeek's
+    interleaved form) rather than a whole key."""
+    width = int(shape_of(mul)[-1])
+    key_in = next(a for a in mul.all_input_nodes if a in dep)
+    if op_name(key_in) == "slice" and len(key_in.args) > 4 and key_in.args[4] == 2:
+        return 2 * width
+    return width
+
+
+# Ops that allocate a tensor the block then fills slice by slice with ``copy_``.
+_ALLOCATIONS = frozenset({"new_empty", "empty", "empty_like", "new_zeros", "zeros", "zeros_like"})
+
+
+def _in_place_parts(key_end: fx.Node, head_dim: int) -> list[tuple[int, int, fx.Node]] | None:
+    """``[(first, end, source)]`` when ``key_end`` is a buffer allocated in the block and
+    filled by ``copy_`` into slices of its last dim that cover every channel once (MLA:
+    ``k = k_nope.new_empty(...); k[..., :d] = k_nope; k[..., d:] = k_rot``); else None."""
+    if op_name(key_end) not in _ALLOCATIONS:
+        return None
+    rank = len(shape_of(key_end))
+    parts = []
+    for user in key_end.users:
+        if op_name(user) != "slice" or user.args[0] is not key_end:
+            continue
+        dim = user.args[1] % rank if len(user.args) > 1 else 0
+        step = user.args[4] if len(user.args) > 4 else 1
+        if dim != rank - 1 or step != 1:
+            return None
+        first = user.args[2] if len(user.args) > 2 and user.args[2] is not None else 0
+        end = min(user.args[3] if len(user.args) > 3 and user.args[3] is not None
+                  else head_dim, head_dim)
+        writes = [u for u in user.users if op_name(u) == "copy" and u.args[0] is user]
+        if len(writes) != 1 or not isinstance(writes[0].args[1], fx.Node):
+            return None
+        parts.append((int(first), int(end), writes[0].args[1]))
+    parts.sort(key=lambda p: p[0])
+    covered = [(a, b) for a, b, _ in parts]
+    if not parts or covered[0][0] != 0 or covered[-1][1] != head_dim or any(
+        b != a2 for (_, b), (a2, _) in zip(covered, covered[1:], strict=False)
+    ):
+        return None
+    return parts
+
+
+def find_rope_in_place(
+    gm: fx.GraphModule,
+    key_end: fx.Node,
+    token_size,
+    head_dim: int,
+    parameter_names: set[str],
+    placeholder_names: dict[str, str],
+) -> RopeFacts | None:
+    """The rotation on one slice of a key the block assembles in place, if any.
+
+    MLA (DeepSeek-V2/V3) builds each head's key as ``[k_nope | k_rope]`` in a buffer it
+    allocates and fills with ``copy_``: only the trailing ``qk_rope_head_dim`` channels are
+    rotated, and that part is one tensor shared by every head. Each part written is searched
+    for a rotation (``find_rope`` on the part); the facts returned describe it on the
+    channels of the whole key, with ``first_channel`` set. Such a key is cached after its
+    rotation (``RopeFacts.reapplicable`` is False).
+    """
+    parts = _in_place_parts(key_end, head_dim)
+    if parts is None:
+        return None
+    found = []
+    for first, end, src in parts:
+        match = find_rope(gm, src, token_size, end - first, parameter_names, placeholder_names)
+        if match is not None:
+            found.append((first, end, match))
+    if len(found) != 1:
+        if len(found) > 1:
+            log.debug("rotations on %d slices of an in-place key; not described", len(found))
+        return None
+    first, end, match = found[0]
+    inner = match.facts
+    span = f"channels {first}-{end - 1} of {head_dim}"
+    style = inner.description.split(" RoPE")[0]
+    return RopeFacts(
+        style=inner.style, rotary_dim=inner.rotary_dim, head_dim=head_dim,
+        cos_source=inner.cos_source, sin_source=inner.sin_source,
+        pre_rope_node=inner.pre_rope_node, first_channel=first,
+        description=(
+            f"{style} RoPE on {span}: the rotary slice of a key assembled in place from "
+            f"{len(parts)} parts ({', '.join(src.name for _, _, src in parts)}; "
+            "decoupled RoPE, as in MLA)"
+        ),
     )
 
 

@@ -60,6 +60,11 @@ def _rope_text(facts: TensorFacts) -> tuple[str | None, str | None, int | None, 
         return None, None, None, ""
     style = rope.style.value
     phrase = f"{style} RoPE"
+    if not rope.reapplicable:
+        last = rope.first_channel + rope.rotary_dim - 1
+        phrase += f" on channels {rope.first_channel}-{last} of {rope.head_dim}"
+        return (f"{style} {rope.first_channel}-{last}/{rope.head_dim}", style,
+                rope.rotary_dim, phrase)
     if rope.partial:
         phrase += f" on {rope.rotary_dim} of {rope.head_dim} channels"
     return f"{style} {rope.rotary_dim}/{rope.head_dim}", style, rope.rotary_dim, phrase
@@ -94,6 +99,12 @@ def _reason(
         if facts.rope is None:
             parts.append(
                 "no RoPE on the key path (learned, absolute or no positions): nothing to move"
+            )
+        elif not facts.rope.reapplicable:
+            parts.append(
+                f"{stored} after {phrase}, the rotary slice of a key assembled in place "
+                "(decoupled RoPE, as in MLA): RoPE is re-applied after dequantization only "
+                "to a key's leading channels, so this key is cached rotated"
             )
         elif values["pre_rope"]:
             parts.append(
@@ -162,7 +173,9 @@ def build_policy(
     for lf in ordered:
         for kind, tf in ((TensorKind.KEY, lf.key), (TensorKind.VALUE, lf.value)):
             derived_axis = _AXIS_OF[Contracted(tf.contracted)]
-            has_rope = kind is TensorKind.KEY and tf.rope is not None
+            # Whether the key can be cached before its rotation (a rotation on a slice of
+            # a key assembled in place, MLA's, cannot be re-applied: it is only reported).
+            has_rope = kind is TensorKind.KEY and tf.rope is not None and tf.rope.reapplicable
             values: dict[str, Any] = {
                 "bits": start_bits,
                 "group_size": d.group_size,
@@ -181,6 +194,13 @@ def build_policy(
                     for name, value in rule.settings().items():
                         values[name] = value
                         origins[name] = i
+            if values["pre_rope"] and not has_rope and tf.rope is not None:
+                raise PolicyError(
+                    f"{spec.source}, {_where(origins['pre_rope'])}, field 'pre_rope': layer "
+                    f"{lf.layer}'s key has {tf.rope.description}; kvpolicy re-applies RoPE "
+                    "only to a key's leading channels, so it cannot cache this key before "
+                    "the rotation. Set pre_rope: false for these layers"
+                )
             fallback_from = None
             if (
                 values["axis"] is Axis.TOKEN
