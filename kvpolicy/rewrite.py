@@ -91,11 +91,33 @@ def _sdpa_args(node: fx.Node) -> tuple[fx.Node | None, bool, float | None]:
     return vals.get("attn_mask"), bool(vals.get("is_causal", False)), vals.get("scale")
 
 
-def _matmul_scale_mask(g: nx.DiGraph, softmax: fx.Node, scores: fx.Node):
-    """Scale and mask applied between the scores and the softmax of an explicit chain."""
+@dataclass(frozen=True)
+class ScoreOps:
+    """What an explicit chain does between ``q @ kᵀ`` and the softmax, as the kernels take
+    it: ``s = scale * q·kᵀ``, then ``softcap * tanh(s / softcap)`` when ``softcap`` is set,
+    then the mask."""
+
+    scale: float
+    mask: fx.Node | None
+    mask_kind: str | None  # "additive" or "fill" (masked_fill: the mask is True where hidden)
+    softcap: float | None
+
+
+def _matmul_scale_mask(g: nx.DiGraph, softmax: fx.Node, scores: fx.Node) -> ScoreOps:
+    """Scale, soft-cap and mask applied between the scores and the softmax of an explicit
+    chain, read walking back from the softmax.
+
+    A ``tanh`` is taken as logit soft-capping when it has the form ``s2 * tanh(s1 * x)``
+    with constants (Gemma2: ``tanh(x * scaling / cap) * cap``): ``softcap = s2`` and
+    ``scale = s1 * s2``, so that ``softcap * tanh(scale * x / softcap)`` is the same. The
+    walk multiplies every constant into ``scale``; the product seen before it reaches the
+    tanh is ``s2``.
+    """
     scale = 1.0
+    scaled = False  # a constant multiplied the path since the softmax (or the tanh)
     mask = None
     kind = None
+    softcap = None
     score_side = nx.descendants(g, scores) | {scores}  # computed from the scores
     node = softmax.args[0]
     while node is not scores:
@@ -110,9 +132,11 @@ def _matmul_scale_mask(g: nx.DiGraph, softmax: fx.Node, scores: fx.Node):
         elif name in ("mul", "div") and all(isinstance(o, (int, float)) for o in others):
             c = float(others[0])
             scale = scale * c if name == "mul" else scale / c
+            scaled = True
         elif name in ("add", "sub") and len(others) == 1 and isinstance(others[0], fx.Node):
             if mask is not None or name == "sub":
                 raise KVPolicyError(f"two masks on the scores at {node.format_node()}")
+            _no_mask_under_tanh(softcap, node)
             mask, kind = others[0], "additive"
         elif name == "masked_fill" and node.args[0] is x:
             value = node.args[2]
@@ -120,15 +144,37 @@ def _matmul_scale_mask(g: nx.DiGraph, softmax: fx.Node, scores: fx.Node):
                 raise KVPolicyError(f"masked_fill with {value} is not a mask: {node.format_node()}")
             if mask is not None:
                 raise KVPolicyError(f"two masks on the scores at {node.format_node()}")
+            _no_mask_under_tanh(softcap, node)
             mask, kind = node.args[1], "fill"
+        elif name == "tanh":
+            if softcap is not None:
+                raise KVPolicyError(f"a second tanh on the scores: {node.format_node()}")
+            if not scaled or not scale > 0:
+                got = "no constant multiplies it" if not scaled else f"it is multiplied by {scale}"
+                raise KVPolicyError(
+                    f"kvpolicy reads a tanh between the scores and the softmax as logit "
+                    f"soft-capping, cap * tanh(scores / cap) with a constant cap > 0, but "
+                    f"{got}: {node.format_node()}"
+                )
+            softcap = scale
         else:
             raise KVPolicyError(
                 f"kvpolicy cannot rewrite an op between the scores and the softmax: "
                 f"{node.format_node()} (supported: scaling by constants, an additive mask, "
-                "masked_fill with -inf, casts)"
+                "masked_fill with -inf, casts, soft-capping cap * tanh(scores / cap))"
             )
         node = x
-    return scale, mask, kind
+    return ScoreOps(scale, mask, kind, softcap)
+
+
+def _no_mask_under_tanh(softcap: float | None, node: fx.Node) -> None:
+    """Refuse a mask applied before the soft-capping tanh (walking back: after it), which
+    would squash -inf to -cap and stop hiding keys."""
+    if softcap is not None:
+        raise KVPolicyError(
+            f"a mask on the scores inside the soft-capping tanh ({node.format_node()}); "
+            "kvpolicy supports masks added after cap * tanh(scores / cap)"
+        )
 
 
 def _recorded(graph: fx.Graph, key: str, required: bool = True):
@@ -222,20 +268,20 @@ def rewrite_block(
     value_layout = _layout(value_point.shape, value_point.token_dim, value_point.channel_dim)
 
     softmax = here(consumer.softmax)
+    softcap = None  # SDPA has no soft-capping
     if consumer.kind == "scaled_dot_product_attention":
         mask, causal, scale = _sdpa_args(target)
         mask_kind = None if mask is None else "sdpa"
         if mask is not None:
             causal = False
     else:
-        scale, mask, mask_kind = _matmul_scale_mask(
-            fx_digraph(graph), softmax, here(consumer.scores)
-        )
+        ops = _matmul_scale_mask(fx_digraph(graph), softmax, here(consumer.scores))
+        scale, mask, mask_kind, softcap = ops.scale, ops.mask, ops.mask_kind, ops.softcap
         causal = False
     attend = KVAttend(
         key_layout=key_layout, value_layout=value_layout, scale=scale, causal=causal,
         mask_kind=mask_kind, rope_style=style, complex_rope=complex_rope,
-        cos_layout=cos_l, sin_layout=sin_l,
+        cos_layout=cos_l, sin_layout=sin_l, softcap=softcap,
     )
     val = target.meta.get("val")
     if isinstance(val, torch.Tensor) and not val.is_contiguous():

@@ -9,6 +9,9 @@ device; the runtime calls only that record's functions (docs/design.md §6).
 Shapes and conventions are those of :mod:`kvpolicy.kernels.reference`: cached tensors
 ``[B, Hkv, T, D]``, queries ``[B, Hq, Tq, D]`` with ``Hq % Hkv == 0``, additive fp32 masks
 (``-inf`` hides a key), and attention over one segment returns ``(out, lse)`` in fp32.
+``softcap`` (Gemma2, Grok: None or a positive float) caps each score before the mask,
+``s = softcap * tanh(scale * q·k / softcap)``; it acts per score, so segments attended
+apart still merge exactly.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class Dequantize(Protocol):
 class AttentionPartial(Protocol):
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-        scale: float, mask: torch.Tensor | None = None,
+        scale: float, mask: torch.Tensor | None = None, softcap: float | None = None,
     ) -> Partial: ...
 
 
@@ -59,7 +62,7 @@ class PackedAttentionPartial(Protocol):
     def __call__(
         self, q: torch.Tensor, k: Packed, v: Packed, k_spec: QuantSpec, v_spec: QuantSpec, *,
         scale: float, mask: torch.Tensor | None = None, rope: RotarySpec | None = None,
-        k_positions: torch.Tensor | None = None,
+        k_positions: torch.Tensor | None = None, softcap: float | None = None,
     ) -> Partial: ...
 
 
@@ -74,6 +77,7 @@ class DecodeAttention(Protocol):
         scale: float, mask: torch.Tensor | None = None, fp_mask: torch.Tensor | None = None,
         rope: RotarySpec | None = None, k_positions: torch.Tensor | None = None,
         fp_positions: torch.Tensor | None = None, check_positions: bool = True,
+        softcap: float | None = None,
     ) -> Partial: ...
 
 
@@ -86,7 +90,8 @@ class Backend:
         quantize: ``(x [B,H,T,D], spec, dtype=None) -> Packed``, bit-identical across
             backends.
         dequantize: ``(Packed, spec, dtype=fp32) -> [B,H,T,D]`` (``code*scale + zero`` in fp32).
-        attention_partial: full-precision segment ``(q, k, v, *, scale, mask) -> (out, lse)``.
+        attention_partial: full-precision segment
+            ``(q, k, v, *, scale, mask, softcap) -> (out, lse)``.
         packed_attention_partial: one packed segment, keys rotated at ``k_positions`` when
             ``rope`` is given ``-> (out, lse)``.
         apply_rope: ``(x [B,H,T,D], positions [B,T], rope) -> x`` rotated, in ``x.dtype``.
@@ -97,6 +102,9 @@ class Backend:
             ``fp_positions [B,Tf]`` when ``rope`` is set), with ``mask``/``fp_mask`` over
             each segment's own keys ``-> (out, lse)``. ``check_positions=False``: the
             caller has checked every position against the rotary table.
+
+    Every attention function takes ``softcap`` (default None): scores are capped as in
+    the module docstring, in fp32, before the mask is added.
     """
 
     name: str
@@ -121,7 +129,8 @@ def compose_decode(
     The packed segment goes through ``packed_attention_partial`` (keys rotated inside);
     full-precision keys are rotated by ``apply_rope`` in fp32 and attended by
     ``attention_partial``; the two ``(out, lse)`` pairs are merged by ``merge_partials``.
-    ``check_positions`` is not forwarded: each piece checks positions itself.
+    ``check_positions`` is not forwarded: each piece checks positions itself; ``softcap``
+    is handed to both pieces (it caps each score, so the merge stays exact).
     """
 
     def decode_attention(
@@ -140,6 +149,7 @@ def compose_decode(
         k_positions: torch.Tensor | None = None,
         fp_positions: torch.Tensor | None = None,
         check_positions: bool = True,
+        softcap: float | None = None,
     ) -> Partial:
         """``Backend.decode_attention``, segment by segment (see :func:`compose_decode`)."""
         parts: list[Partial] = []
@@ -147,7 +157,8 @@ def compose_decode(
             kpos = None if rope is None or k_positions is None else k_positions.long()
             parts.append(
                 packed_attention_partial(
-                    q, k, v, k_spec, v_spec, scale=scale, mask=mask, rope=rope, k_positions=kpos
+                    q, k, v, k_spec, v_spec, scale=scale, mask=mask, rope=rope,
+                    k_positions=kpos, softcap=softcap,
                 )
             )
         if fk is not None and fv is not None:
@@ -155,7 +166,7 @@ def compose_decode(
                 if fp_positions is None:
                     raise CacheError("pre-RoPE full-precision keys need fp_positions [B, Tf]")
                 fk = apply_rope(fk.float(), fp_positions.long(), rope)
-            parts.append(attention_partial(q, fk, fv, scale=scale, mask=fp_mask))
+            parts.append(attention_partial(q, fk, fv, scale=scale, mask=fp_mask, softcap=softcap))
         if not parts:
             raise CacheError("decode_attention needs a packed or a full-precision segment")
         return parts[0] if len(parts) == 1 else merge_partials(parts)

@@ -43,6 +43,7 @@ struct Params {
   int64_t sdt;                               // storage type, must equal KVP_SDT
   float* out;                                // [B, Hq, Tq, Dv]
   float* lse;                                // [B, Hq, Tq]
+  float softcap;                             // > 0: s = softcap * tanh(s / softcap); 0: none
 };
 }
 
@@ -114,6 +115,16 @@ inline float exp_neg(float x) {
   float scale;
   std::memcpy(&scale, &e, sizeof(float));
   return under ? 0.f : p * scale;
+}
+
+// tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|), through exp_neg so that gcc
+// vectorises it; absolute error ~2e-7 (saturates at +-1).
+// NOTE: 8K-token step, 2-bit, 9 query heads on 3 kv heads, D=64, 1 thread (min of 50):
+// 0.80-0.82 ms without a cap; soft-capped 1.66 ms with std::tanh, 0.86-0.88 ms with this.
+inline float tanh_vec(float x) {
+  const float e = exp_neg(-2.f * std::fabs(x));
+  const float t = (1.f - e) / (1.f + e);
+  return x < 0.f ? -t : t;
 }
 
 struct Acc { float m, l; };
@@ -228,10 +239,15 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
         }
       }
     }
-    // ---- mask and softmax statistics per row
+    // ---- soft-capping (before the mask, as the model does), mask and softmax statistics
     Acc* st = stats + h * R;
+    const float cap = P.softcap;
     for (int64_t r = 0; r < R; ++r) {
       float* sr = S.data() + r * n;
+      if (cap > 0.f) {
+        const float inv = 1.f / cap;
+        for (int64_t t = 0; t < n; ++t) sr[t] = cap * tanh_vec(sr[t] * inv);
+      }
       if (mask) {
         const int64_t hq = h * P.rep + r / P.Tq, i = r % P.Tq;
         const float* mr = mask + b * ms0 + hq * ms1 + i * ms2;

@@ -10,7 +10,8 @@ row, merged by log-sum-exp at the end. Each packed byte is read once per call; n
 dequantized cache is ever materialised.
 
 Covered (everything else falls back to the eager torch path): key axis "channel" and
-value axis "token", bits in {1, 2, 3, 4, 8} each, no RoPE or rotate_half / interleaved.
+value axis "token", bits in {1, 2, 3, 4, 8} each, no RoPE or rotate_half / interleaved,
+with or without logit soft-capping (a run-time field, not a ``-D``: no extra libraries).
 Queries are passed as pre-scaled fp32; scales, zeros and full-precision tokens in their
 storage dtype (fp32, bf16 or fp16), widened inside the kernel.
 
@@ -100,6 +101,7 @@ class Params(ctypes.Structure):
         ("rope_rs", ctypes.c_int64),
         ("sdt", ctypes.c_int64),
         ("out", ctypes.c_void_p), ("lse", ctypes.c_void_p),
+        ("softcap", ctypes.c_float),
     ]
 
 

@@ -18,6 +18,8 @@ Conventions
   exactly the softmax over their union.
 * Masks are additive floats broadcastable to ``[B, Hq, Tq, Tk]``; ``-inf`` hides a key.
   A row that sees no key yields ``out = 0`` and ``lse = -inf`` (never NaN).
+* ``softcap`` (None or > 0) caps every scaled score before the mask is added:
+  ``softcap * tanh(scale * q·k / softcap)`` (Gemma2's attention logit soft-capping).
 """
 
 from __future__ import annotations
@@ -250,6 +252,7 @@ def attention_partial(
     *,
     scale: float,
     mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over one segment, returning its output and log-sum-exp.
 
@@ -257,6 +260,7 @@ def attention_partial(
         q: ``[B, Hq, Tq, D]``; k, v: ``[B, Hkv, Tk, D]`` with ``Hq % Hkv == 0``.
         scale: multiplies ``q·k``.
         mask: additive float, broadcastable to ``[B, Hq, Tq, Tk]`` (``-inf`` hides), or None.
+        softcap: if given, scores become ``softcap * tanh(s / softcap)`` before the mask.
     Returns:
         ``out`` fp32 ``[B, Hq, Tq, D]`` and ``lse`` fp32 ``[B, Hq, Tq]``; rows that see no
         key give ``out = 0``, ``lse = -inf``.
@@ -272,6 +276,8 @@ def attention_partial(
     kf = _expand_kv(k.float(), hq)
     vf = _expand_kv(v.float(), hq)
     s = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     if mask is not None:
         s = s + mask.float()
     m = s.amax(dim=-1, keepdim=True)
@@ -319,13 +325,15 @@ def packed_attention_partial(
     mask: torch.Tensor | None = None,
     rope: RotarySpec | None = None,
     k_positions: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a packed segment: dequantize, rotate keys, :func:`attention_partial`.
 
     Args:
         q: ``[B, Hq, Tq, D]`` (already rotated by the model).
         k, v: packed ``[B, Hkv, Tk, D]`` segments in the layouts of ``k_spec``/``v_spec``.
-        scale, mask: as in :func:`attention_partial` (mask over this segment's Tk keys).
+        scale, mask, softcap: as in :func:`attention_partial` (mask over this segment's
+            Tk keys).
         rope: if given, keys are stored pre-RoPE and rotated at ``k_positions [B, Tk]``.
     Returns:
         ``(out [B, Hq, Tq, D] fp32, lse [B, Hq, Tq] fp32)``.
@@ -336,7 +344,7 @@ def packed_attention_partial(
         if k_positions is None:
             raise CacheError("pre-RoPE keys need k_positions [B, Tk]")
         kd = apply_rope(kd, k_positions, rope)
-    return attention_partial(q, kd, vd, scale=scale, mask=mask)
+    return attention_partial(q, kd, vd, scale=scale, mask=mask, softcap=softcap)
 
 
 decode_attention = compose_decode(

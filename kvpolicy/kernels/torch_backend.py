@@ -64,6 +64,7 @@ def attention_partial(
     *,
     scale: float,
     mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of :func:`reference.attention_partial`, with GQA folded into query rows.
 
@@ -82,6 +83,8 @@ def attention_partial(
     rep = hq // hkv
     qg = q.float().reshape(b, hkv, rep * tq, d)
     s = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [B, Hkv, rep*Tq, Tk]
+    if softcap is not None:
+        s = torch.tanh(s.div_(softcap)).mul_(softcap)
     if mask is not None:
         s = s + mask.float().expand(b, hq, tq, tk).reshape(b, hkv, rep * tq, tk)
     m = s.amax(dim=-1, keepdim=True)
@@ -225,6 +228,7 @@ def _eager_packed_attention(
     mask: torch.Tensor | None,
     rope: RotarySpec | None,
     k_positions: torch.Tensor | None,
+    softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kd = dequantize(k, k_spec)
     vd = dequantize(v, v_spec)
@@ -232,7 +236,7 @@ def _eager_packed_attention(
         if k_positions is None:
             raise CacheError("pre-RoPE keys need k_positions [B, Tk]")
         kd = apply_rope(kd, k_positions, rope)
-    return attention_partial(q, kd, vd, scale=scale, mask=mask)
+    return attention_partial(q, kd, vd, scale=scale, mask=mask, softcap=softcap)
 
 
 def packed_attention_partial(
@@ -246,6 +250,7 @@ def packed_attention_partial(
     mask: torch.Tensor | None = None,
     rope: RotarySpec | None = None,
     k_positions: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over one packed segment; contract of :func:`reference.packed_attention_partial`.
 
@@ -253,6 +258,7 @@ def packed_attention_partial(
         q: ``[B, Hq, Tq, D]``; k, v: packed ``[B, Hkv, Tk, D]`` segments.
         scale: multiplies ``q·k``; mask: additive, broadcastable to ``[B, Hq, Tq, Tk]``.
         rope, k_positions: rotate pre-RoPE keys at ``k_positions [B, Tk]``.
+        softcap: cap each score at ``softcap * tanh(s / softcap)`` before the mask.
     Returns:
         ``(out [B, Hq, Tq, D] fp32, lse [B, Hq, Tq] fp32)``.
     """
@@ -260,11 +266,12 @@ def packed_attention_partial(
         raise CacheError("pre-RoPE keys need k_positions [B, Tk]")
     got = fused_attention(
         q, k, v, k_spec, v_spec, None, None,
-        scale=scale, mask=mask, rope=rope, k_positions=k_positions,
+        scale=scale, mask=mask, rope=rope, k_positions=k_positions, softcap=softcap,
     )
     if got is not None:
         return got
-    return _eager_packed_attention(q, k, v, k_spec, v_spec, scale, mask, rope, k_positions)
+    return _eager_packed_attention(q, k, v, k_spec, v_spec, scale, mask, rope, k_positions,
+                                   softcap)
 
 
 def fused_attention(
@@ -283,13 +290,15 @@ def fused_attention(
     k_positions: torch.Tensor | None = None,
     fp_positions: torch.Tensor | None = None,
     check_positions: bool = True,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One softmax over a packed segment and a full-precision segment, in one C++ call.
 
     The cache's decode step: packed groups plus sinks and residual window (``fk``/``fv``
     ``[B, Hkv, Tf, D]``, keys pre-RoPE at ``fp_positions [B, Tf]`` when ``rope`` is set;
     ``fp_mask`` over those ``Tf`` columns). ``check_positions=False`` skips the bounds
-    check of positions against the rotary table (the caller guarantees it). Returns
+    check of positions against the rotary table (the caller guarantees it). ``softcap``
+    is applied in the kernel to every score of both segments, before the masks. Returns
     ``(out, lse)`` as :func:`packed_attention_partial` over the union of both segments, or
     ``None`` when the C++ kernel does not cover these inputs (the caller then runs the
     segments separately).
@@ -310,7 +319,7 @@ def fused_attention(
     if lib is None:
         return None
     return _cpp_attention(lib, q, k, v, k_spec, v_spec, fk, fv, scale, mask, fp_mask, rope,
-                          k_positions, fp_positions, check_positions, store)
+                          k_positions, fp_positions, check_positions, store, softcap)
 
 
 _by_segments = compose_decode(
@@ -337,6 +346,7 @@ def decode_attention(
     k_positions: torch.Tensor | None = None,
     fp_positions: torch.Tensor | None = None,
     check_positions: bool = True,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over a packed and a full-precision segment (``Backend.decode_attention``).
 
@@ -349,13 +359,13 @@ def decode_attention(
         got = fused_attention(
             q, k, v, k_spec, v_spec, fk, fv, scale=scale, mask=mask, fp_mask=fp_mask,
             rope=rope, k_positions=k_positions, fp_positions=fp_positions,
-            check_positions=check_positions,
+            check_positions=check_positions, softcap=softcap,
         )
         if got is not None:
             return got
     return _by_segments(
         q, k, v, k_spec, v_spec, fk, fv, scale=scale, mask=mask, fp_mask=fp_mask, rope=rope,
-        k_positions=k_positions, fp_positions=fp_positions,
+        k_positions=k_positions, fp_positions=fp_positions, softcap=softcap,
     )
 
 
@@ -495,6 +505,7 @@ def _cpp_attention(
     fp_positions: torch.Tensor | None,
     check_positions: bool = True,
     store: torch.dtype = torch.float32,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, hq, tq, dk = q.shape
     kc, ks, kz = k
@@ -534,6 +545,7 @@ def _cpp_attention(
         vs=vs.data_ptr(), vs_sb=vs_sb, vs_sh=vs_sh,
         vz=vz.data_ptr(), vz_sb=vz_sb, vz_sh=vz_sh,
         out=out.data_ptr(), lse=lse.data_ptr(), sdt=_SDT[store],
+        softcap=0.0 if softcap is None else float(softcap),  # 0: no cap
     )
     if mask is not None:
         mf = mask.float().expand(b, hq, tq, tk)

@@ -95,7 +95,8 @@ def _qk(q, k, DOT_F32: tl.constexpr):
 
 @triton.autotune(
     configs=_ATTENTION_CONFIGS,
-    key=["rows_bucket", "split_bucket", "K_BITS", "K_CHANNEL", "V_BITS", "V_CHANNEL", "ROPE", "DK"],
+    key=["rows_bucket", "split_bucket", "K_BITS", "K_CHANNEL", "V_BITS", "V_CHANNEL", "ROPE", "DK",
+         "SOFTCAP"],
     prune_configs_by={"early_config_prune": _keep_attention_config},
 )
 @triton.jit
@@ -117,6 +118,7 @@ def _packed_attention_kernel(
     rows_bucket,  # next_power_of_2(n_rows): an autotune key only (no re-tune per prompt)
     split_bucket,  # next_power_of_2(split_len): an autotune key only
     scale,  # softmax scale multiplying q·k
+    softcap,  # logit cap: s = softcap * tanh(s / softcap) (read when SOFTCAP only)
     sq_b, sq_h, sq_t, sq_d,  # q strides
     skc_b, skc_h, skc_0, skc_1, skc_2,  # key codes strides (see dequant_tile)
     sks_b, sks_h, sks_0, sks_1,  # key scale/zero strides
@@ -135,6 +137,7 @@ def _packed_attention_kernel(
     ROPE: tl.constexpr,  # 0 none, 1 rotate_half, 2 interleaved
     ROT_DIM: tl.constexpr,  # rotary_dim (0 without RoPE); channels >= ROT_DIM pass through
     HAS_MASK: tl.constexpr,  # whether mask_ptr is read
+    SOFTCAP: tl.constexpr,  # whether scores are soft-capped (before the mask)
     DOT_F32: tl.constexpr,  # fp32 queries: IEEE fp32 dots; else dots in q's dtype
     MATH_F16: tl.constexpr,  # fp16 queries: dequantize and rotate in fp16 (fp32 otherwise)
     BLOCK_M: tl.constexpr,  # query rows per program (>= 16 for tl.dot)
@@ -228,6 +231,12 @@ def _packed_attention_kernel(
                              MATH_F16)
             s += _qk(q_p, k_p, DOT_F32)
         s = s * scale
+        if SOFTCAP:
+            # tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1], in fp32: no
+            # overflow, +-1 where e underflows (tl has no tanh the interpreter also runs).
+            e = tl.exp(-2.0 * tl.abs(s) / softcap)
+            t = (1.0 - e) / (1.0 + e)
+            s = softcap * tl.where(s < 0.0, -t, t)
         if HAS_MASK:
             m_off = b * sm_b + hq[:, None] * sm_h + tq[:, None] * sm_q + tok[None, :] * sm_k
             add = tl.load(mask_ptr + m_off, mask=row_ok[:, None] & tok_ok[None, :], other=0.0)
@@ -379,6 +388,7 @@ def packed_attention_partial(
     k_positions: torch.Tensor | None = None,
     num_splits: int | None = None,
     check_positions: bool = True,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` over one packed K/V segment, dequantizing in the kernel.
 
@@ -404,6 +414,8 @@ def packed_attention_partial(
             a host sync per call on a GPU; a caller that builds the positions itself
             (the cache) may pass False. Out-of-range positions then read outside the
             table.
+        softcap: if given (> 0), each score becomes ``softcap * tanh(s / softcap)`` in
+            fp32 inside the kernel, before the mask.
     Returns:
         ``out`` fp32 ``[B, Hq, Tq, D]`` and ``lse`` fp32 ``[B, Hq, Tq]``; a row that
         sees no key gives ``out = 0`` and ``lse = -inf``.
@@ -464,6 +476,8 @@ def packed_attention_partial(
             cos, sin = cos.contiguous(), sin.contiguous()
         pos_strides, rot_strides = pos.stride(), cos.stride()
 
+    if softcap is not None and not softcap > 0:
+        raise CacheError(f"softcap={softcap} must be a positive float (or None: no cap)")
     has_mask = mask is not None
     mask_t, mask_strides = q, (0, 0, 0, 0)
     if has_mask:
@@ -511,6 +525,7 @@ def packed_attention_partial(
         q, k.codes, ks, kz, v.codes, vs, vz, pos, cos, sin, mask_t, out, lse,
         hkv, n_rows, tq, tk, split_len, splits,
         triton.next_power_of_2(n_rows), triton.next_power_of_2(split_len), float(scale),
+        1.0 if softcap is None else float(softcap),
         *q.stride(),
         *kcs, *kss,
         *vcs, *vss,
@@ -521,7 +536,8 @@ def packed_attention_partial(
         K_BITS=k_spec.bits, K_GROUP=k_spec.group_size, K_CHANNEL=k_spec.axis == "channel",
         V_BITS=v_spec.bits, V_GROUP=v_spec.group_size, V_CHANNEL=v_spec.axis == "channel",
         K_FAST=_fast_layout(k_spec, "channel", dk), V_FAST=_fast_layout(v_spec, "token", dv),
-        ROPE=style, ROT_DIM=rot_dim, HAS_MASK=has_mask, DOT_F32=q.dtype == torch.float32,
+        ROPE=style, ROT_DIM=rot_dim, HAS_MASK=has_mask, SOFTCAP=softcap is not None,
+        DOT_F32=q.dtype == torch.float32,
         MATH_F16=q.dtype == torch.float16,
         BLOCK_M=block_m,
         BLOCK_R=max(16, triton.next_power_of_2(max(rot_dim // 2, 1))),
@@ -547,11 +563,12 @@ def attention_partial(
     scale: float,
     mask: torch.Tensor | None = None,
     num_splits: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a full-precision segment (sinks, residual window): the same kernel
     with 16-bit specs. Shapes and results as :func:`packed_attention_partial`."""
     empty = k.new_empty(0)
     return packed_attention_partial(
         q, Packed(k, empty, empty), Packed(v, empty, empty), _FULL, _FULL,
-        scale=scale, mask=mask, num_splits=num_splits,
+        scale=scale, mask=mask, num_splits=num_splits, softcap=softcap,
     )

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from ..errors import CacheError
-from ..kernels.layout import QuantSpec
+from ..kernels.layout import QuantSpec, RotarySpec
 
-__all__ = ["check_pair", "check_query", "align_window_mask"]
+__all__ = ["check_pair", "check_query", "check_rope", "check_softcap", "align_window_mask"]
 
 
 def check_pair(key: Any, value: Any, key_spec: QuantSpec, value_spec: QuantSpec) -> None:
@@ -91,6 +91,29 @@ def check_query(
         if not (attn_mask.dtype == torch.bool or attn_mask.dtype.is_floating_point):
             raise CacheError(f"attn_mask dtype {attn_mask.dtype}: use bool or float")
 
+
+def check_rope(rope: RotarySpec | None, max_pos: int, head_dim: int) -> None:
+    """The rotary table of an ``attend`` call (or None) fits the head dim and covers the
+    largest key position ``max_pos``."""
+    if rope is None:
+        return
+    if rope.rotary_dim > head_dim:
+        raise CacheError(f"rotary_dim={rope.rotary_dim} > head_dim={head_dim}")
+    if max_pos >= rope.max_positions:
+        raise CacheError(
+            f"a key sits at position {max_pos} but the rotary table has "
+            f"{rope.max_positions} rows; pass a table that covers every stored position"
+        )
+
+
+def check_softcap(softcap: Any) -> None:
+    """``softcap`` is None (no cap) or a positive finite number."""
+    if softcap is None:
+        return
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
+        0 < softcap < float("inf")
+    ):
+        raise CacheError(f"softcap={softcap!r} must be a positive number (or None: no cap)")
 
 
 def align_window_mask(attn_mask: Any, want: int) -> Any:

@@ -38,7 +38,7 @@ from ..kernels.backend import Backend, check_name, select
 from ..kernels.contract import quantize_in_blocks
 from ..kernels.layout import Packed, QuantSpec, RotarySpec
 from ..kernels.masks import mask_rows, none_if_open
-from .checks import align_window_mask, check_pair, check_query
+from .checks import align_window_mask, check_pair, check_query, check_rope, check_softcap
 from .growing import Growing
 from .positions import Positions, TokenPositions
 
@@ -434,6 +434,7 @@ class PackedKVLayer:
         causal: bool = True,
         rope: RotarySpec | None = None,
         pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Softmax attention of ``query [B, Hq, Tq, D]`` over every cached token.
 
@@ -450,6 +451,8 @@ class PackedKVLayer:
                 are not stored, attended in full precision (the residual's dtype); the
                 arguments of :meth:`append`, which the caller calls next. A chunk of a
                 prompt attends over its own tokens this way, as a prefill does.
+            softcap: cap every score at ``softcap * tanh(s / softcap)`` before the mask
+                (Gemma2's logit soft-capping), in every segment; None: no cap.
         Returns:
             ``[B, Hq, Tq, Dv]`` in ``query.dtype``.
 
@@ -463,21 +466,16 @@ class PackedKVLayer:
             attn_mask = align_window_mask(
                 attn_mask, self.seq_len + (0 if new_k is None else new_k.shape[2]))
         self._validate_query(query, attn_mask, new_k)
+        check_softcap(softcap)
         if rope is None:
             rope = self.rope
         elif not self.pre_rope:
             raise CacheError("attend(rope=...) on a layer built without pre_rope=True: its "
                              "keys are post-RoPE and no positions were stored")
-        if rope is not None and rope.rotary_dim > query.shape[-1]:
-            raise CacheError(f"rotary_dim={rope.rotary_dim} > head_dim={query.shape[-1]}")
         max_pos = self._pos.hi
         if rope is not None and new_pos is not None and new_pos.count:
             max_pos = max(max_pos, new_pos.hi)
-        if rope is not None and max_pos >= rope.max_positions:
-            raise CacheError(
-                f"a key sits at position {max_pos} but the rotary table has "
-                f"{rope.max_positions} rows; pass a table that covers every stored position"
-            )
+        check_rope(rope, max_pos, query.shape[-1])
         tq, d = query.shape[2:]
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         ns, npk = self.n_sinks, self._n_packed
@@ -512,7 +510,7 @@ class PackedKVLayer:
                     fmask = none_if_open(torch.cat(pieces, dim=-1))
             outs.append(decode(
                 query[:, :, r0 : rows.stop].float(), pk, pv, self.key_spec, self.value_spec,
-                fk, fv, scale=scale, mask=pmask, fp_mask=fmask, rope=rope,
+                fk, fv, scale=scale, mask=pmask, fp_mask=fmask, rope=rope, softcap=softcap,
                 k_positions=kpos, fp_positions=fpos, check_positions=False,  # checked above
             )[0])
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(query.dtype)

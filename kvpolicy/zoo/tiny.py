@@ -55,6 +55,12 @@ TINY_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen3": {**_GQA, "head_dim": 32},  # per-head q/k RMSNorm before RoPE
     "gemma": {**_GQA, "head_dim": 32},
     "gemma3_text": {**_GQA, "head_dim": 32, "sliding_window": 64},  # q/k norm, local+global
+    # Logit soft-capping (cap * tanh(s / cap) before the mask), local+global. Weights at
+    # std 0.1 and 1/sqrt(head_dim) scaling give scores of a few units, so that a cap of 2
+    # is far from linear (at the defaults, std 0.02 and 1/16, scores stay below 0.1).
+    "gemma2": {**_GQA, "head_dim": 32, "sliding_window": 64, "query_pre_attn_scalar": 32,
+               "initializer_range": 0.1, "attn_logit_softcapping": 2.0,
+               "final_logit_softcapping": 30.0},
     "phi": {**_GQA},  # partial rotary (factor 0.5), biases, dense
     "gpt_neox": {},  # fused qkv, partial rotary (0.25)
     "gpt2": {},  # fused qkv Conv1D, learned absolute positions, no RoPE

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from one_block import OneBlockLM
 from torch import fx, nn
 
+import kvpolicy
 from kvpolicy.analysis.analyse import (
     CONSUMER_META,
     KEY_META,
@@ -257,29 +258,46 @@ class _Between(_Heads):
         return self.merge(torch.softmax(s, dim=-1) @ v)
 
 
-# (between, scale, mask kind, mask dtype)
+def _softcap(s, t, mask=True):
+    """Gemma2's order: scale, soft-cap (cap 3), then the mask."""
+    s = torch.tanh(s * 0.125 / 3.0) * 3.0
+    return s + _additive_causal(t) if mask else s
+
+
+# (between, scale, mask kind, mask dtype, softcap)
 _SUPPORTED = {
-    "mul": (lambda s, t: s * 0.125, 0.125, None, None),
-    "div": (lambda s, t: s / 4.0, 0.25, None, None),
-    "mul-then-div": (lambda s, t: s * 2.0 / 8.0, 0.25, None, None),
-    "additive": (lambda s, t: s * 0.5 + _additive_causal(t), 0.5, "additive", torch.float32),
+    "mul": (lambda s, t: s * 0.125, 0.125, None, None, None),
+    "div": (lambda s, t: s / 4.0, 0.25, None, None, None),
+    "mul-then-div": (lambda s, t: s * 2.0 / 8.0, 0.25, None, None, None),
+    "additive": (lambda s, t: s * 0.5 + _additive_causal(t), 0.5, "additive", torch.float32,
+                 None),
     "additive-mask-first": (lambda s, t: _additive_causal(t) + s / 2.0, 0.5, "additive",
-                            torch.float32),
+                            torch.float32, None),
     "masked_fill": (lambda s, t: (s / 2.0).masked_fill(_bool_causal(t), float("-inf")), 0.5,
-                    "fill", torch.bool),
+                    "fill", torch.bool, None),
+    # softcap * tanh(scale * s / softcap): scale is every constant, softcap those after tanh
+    "softcap": (_softcap, 0.125, "additive", torch.float32, 3.0),
+    "softcap-no-mask": (lambda s, t: _softcap(s, t, mask=False), 0.125, None, None, 3.0),
+    "softcap-cap-in-two": (lambda s, t: torch.tanh(s / 4.0) * 2.0 * 2.0, 1.0, None, None, 4.0),
+    "softcap-cast-then-fill": (
+        lambda s, t: (torch.tanh(s.float() / 8.0).to(s.dtype) * 8.0).masked_fill(
+            _bool_causal(t), float("-inf")), 1.0, "fill", torch.bool, 8.0),
 }
 
 
 @pytest.mark.parametrize("case", sorted(_SUPPORTED))
 def test_scale_and_mask_between_scores_and_softmax(case):
-    between, scale, kind, dtype = _SUPPORTED[case]
+    between, scale, kind, dtype, softcap = _SUPPORTED[case]
     b = _block(OneBlockLM(_Between(between)))
     res = _rewrite(b, pre_rope=False)
     g = res.graph
     q, k, v, mask, cos, sin = _attend_node(g).args
     assert not _CONSUMER_OPS & set(_ops(g)) and "matmul" not in _ops(g)
+    assert "tanh" not in _ops(g)
     assert (k.name, v.name) == (b.key.source_node, b.value.source_node)
     assert res.attend.scale == pytest.approx(scale)
+    assert (res.attend.softcap is None) if softcap is None else (
+        res.attend.softcap == pytest.approx(softcap))
     assert res.attend.mask_kind == kind and not res.attend.causal
     if kind is None:
         assert mask is None
@@ -290,9 +308,42 @@ def test_scale_and_mask_between_scores_and_softmax(case):
     g.lint()
 
 
+@pytest.mark.parametrize("case", ["softcap", "softcap-cap-in-two", "softcap-cast-then-fill"])
+def test_soft_capped_block_compiles_exactly(case):
+    """At 16 bits the compiled block computes what the module computes: the cap and scale
+    read off the graph are the module's (a wrong split of the constants would differ)."""
+    torch.manual_seed(0)
+    ref = OneBlockLM(_Between(_SUPPORTED[case][0]))
+    with torch.no_grad():  # scores of a few units: the cap is far from linear
+        for p in (ref.attn.q_proj, ref.attn.k_proj):
+            p.weight.mul_(8.0)
+    model = OneBlockLM(_Between(_SUPPORTED[case][0]))
+    model.load_state_dict(ref.state_dict())
+    kvpolicy.compile_model(model, bits=16)
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = ref(ids), model(ids)
+        uncapped = OneBlockLM(_Between(lambda s, t: s * _SUPPORTED[case][1] + (
+            _additive_causal(t) if _SUPPORTED[case][2] else 0.0)))
+        uncapped.load_state_dict(ref.state_dict())
+        plain = uncapped(ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (want - plain).abs().max() > 1e-2, "the cap does not change this block's output"
+
+
 _REFUSED = {
-    "tanh": (lambda s, t: torch.tanh(s / 8.0) * 8.0,
-             r"cannot rewrite an op between the scores and the softmax: %tanh"),
+    "tanh-without-cap": (lambda s, t: torch.tanh(s / 8.0),
+                         r"soft-capping.*but no constant multiplies it: %tanh"),
+    "tanh-negative-cap": (lambda s, t: torch.tanh(s / 8.0) * -8.0,
+                          r"soft-capping.*but it is multiplied by -8.0: %tanh"),
+    "tanh-twice": (lambda s, t: torch.tanh(torch.tanh(s / 8.0) * 8.0 / 2.0) * 2.0,
+                   r"a second tanh on the scores: %tanh"),
+    "mask-inside-tanh": (lambda s, t: torch.tanh((s + _additive_causal(t)) / 8.0) * 8.0,
+                         r"a mask on the scores inside the soft-capping tanh \(%add"),
+    "tanh-times-a-tensor": (lambda s, t: torch.tanh(s / 8.0) * torch.full((t, t), 8.0),
+                            r"cannot rewrite an op between the scores and the softmax: %mul"),
+    "tanh-plus-a-constant": (lambda s, t: torch.tanh(s / 8.0) * 8.0 + 1.0,
+                             r"cannot rewrite an op between the scores and the softmax: %add"),
     "fill-not-a-mask": (lambda s, t: s.masked_fill(_bool_causal(t), 0.0),
                         r"masked_fill with 0.0 is not a mask: %masked_fill"),
     "two-masks": (lambda s, t: s + _additive_causal(t) + _additive_causal(t),
