@@ -71,6 +71,14 @@ TINY_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "mixtral": {**_GQA, "head_dim": 32, "num_local_experts": 2, "num_experts_per_tok": 1},
     "gpt_bigcode": {"multi_query": True},  # MQA, fused c_attn, learned positions
     "codegen": {"rotary_dim": 16, "n_ctx": 256},  # GPT-J style interleaved, partial
+    # MLA: keys [k_nope | k_rope] assembled in place, RoPE on the trailing 16 of 32
+    # channels (interleaved, one rotary part shared by all heads), values of 32 channels.
+    "deepseek_v3": {
+        "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32,
+        "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 32, "head_dim": 16,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "moe_intermediate_size": 64, "n_group": 1, "topk_group": 1,
+    },
 }
 
 
