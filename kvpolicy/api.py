@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect as _inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ def derive_policy(
     policy: str | Path | Mapping[str, Any] | PolicySpec | None = None,
     calibration: Any = None,
     progress: bool = True,
+    probe_kwargs: Callable[[Any], dict[str, Any]] | None = None,
 ) -> ModelPolicy:
     """Derive the quantization policy of every cached tensor of ``model``.
 
@@ -55,6 +56,9 @@ def derive_policy(
             tokenizer for the default text, or a ``Calibration`` measured before. Default:
             the policy file's saved calibration, else the last 512 pydoc tokens.
         progress: show a progress bar while calibrating.
+        probe_kwargs: ``ids -> {keyword: value}`` passed to the analysis's probe forwards
+            beside the token ids, for a model that takes its cached path only when given
+            more (gpt-fast's ``input_pos``); see ``compile_model``.
 
     Returns:
         A ``ModelPolicy``: per layer, key then value, axis/bits/group/pre-RoPE/residual/
@@ -66,7 +70,13 @@ def derive_policy(
         AnalysisError: the graph has no attention the analysis understands.
     """
     spec = load_spec(policy, bits=bits)
-    analysis = analyse_model(model)
+    analysis = analyse_model(model, probe_kwargs)
+    if spec.budget is not None and probe_kwargs is not None:
+        raise KVPolicyError(
+            "a bit budget calibrates with plain forwards of token ids, which a model that "
+            "needs probe_kwargs does not take its cached path on; give an int width or a "
+            "policy with every width set"
+        )
     result = build_policy(analysis.layers, spec, model_name=_model_name(model))
     if spec.budget is not None:
         result, cal = budget_policy(model, result, spec, calibration, progress=progress)
@@ -110,6 +120,7 @@ def compile_model(
     backend: str = "auto",
     calibration: Any = None,
     progress: bool = True,
+    probe_kwargs: Callable[[Any], dict[str, Any]] | None = None,
 ) -> nn.Module:
     """Rewrite every attention block of ``model`` onto a packed, quantized KV cache.
 
@@ -125,6 +136,14 @@ def compile_model(
             ``derive_policy``); ``kvpolicy.save_policy(model, path)`` writes it into a
             policy file so that a later compile skips calibrating.
         progress: show a progress bar while calibrating.
+        probe_kwargs: for a module whose forward takes its cached path only when given
+            more than token ids: ``ids [B, T] -> {keyword: value}`` added to the probe
+            forwards. A gpt-fast-style module that writes K/V into preallocated buffers at
+            ``input_pos`` (``setup_caches`` first, for at least 3 rows) is compiled with
+            ``probe_kwargs=lambda ids: {"input_pos": torch.arange(ids.shape[1])}``; its own
+            decode loop (``model(ids, input_pos)``) then reads and writes a packed cache
+            that stands in for the buffers, kept across calls (a call at position 0 starts
+            a new sequence).
 
     Returns:
         The same model object, compiled: ``model.generate`` and manual decode loops work
@@ -148,8 +167,8 @@ def compile_model(
     check_backend(backend)
     spec = load_spec(policy, bits=bits)
     pol = derive_policy(model, bits=bits, policy=spec, calibration=calibration,
-                        progress=progress)
-    analysis = analyse_model(model)
+                        progress=progress, probe_kwargs=probe_kwargs)
+    analysis = analyse_model(model, probe_kwargs)
     kinds = compile_blocks(model, analysis, pol)
 
     # Nothing below can fail on a model that got this far: install.

@@ -283,6 +283,9 @@ def rewrite_block(
         mask_kind=mask_kind, rope_style=style, complex_rope=complex_rope,
         cos_layout=cos_l, sin_layout=sin_l, softcap=softcap,
     )
+    # A block that writes K/V into its own buffer (gpt-fast) masks by buffer slot: the
+    # mask's columns are absolute positions, of which the packed cache holds a range.
+    attend.mask_by_position = key_point.buffer is not None or value_point.buffer is not None
     val = target.meta.get("val")
     if isinstance(val, torch.Tensor) and not val.is_contiguous():
         attend.tokens_major = val.transpose(1, 2).is_contiguous()
@@ -303,8 +306,9 @@ def rewrite_block(
 
     new_target = m(target)
     with new.inserting_before(new_target):
+        index = here(by_name.get(key_point.buffer_index)) if key_point.buffer_index else None
         call = new.call_module(module_name, (m(q), m(kp), m(value_node), m(mask),
-                                             m(cos_node), m(sin_node)))
+                                             m(cos_node), m(sin_node), m(index)))
         call.meta = dict(new_target.meta)
     new_target.replace_all_uses_with(call)
     new.erase_node(new_target)  # SDPA counts as impure (dropout RNG): dead-code elim. keeps it
@@ -318,9 +322,23 @@ def rewrite_block(
     for n in list(new.nodes):
         if n.op == "call_function" and op_name(n) in _ASSERTS and not n.users:
             new.erase_node(n)
+        elif attend.mask_by_position and _writes_a_buffer(n):
+            new.erase_node(n)  # the packed cache stands in for the block's own buffers
     new.eliminate_dead_code(is_impure_node=rw_keep)
     new.lint()
     return RewriteResult(new, attend)
+
+
+def _writes_a_buffer(node: fx.Node) -> bool:
+    """An in-place write (``index_put_``, ``copy_``) into a view of a module buffer whose
+    result nothing reads: the block's own K/V cache write (gpt-fast)."""
+    if node.op != "call_function" or op_name(node).rstrip("_") not in ("index_put", "copy") \
+            or node.users:
+        return False
+    base = node.args[0]
+    while isinstance(base, fx.Node) and op_name(base) in ("slice", "view", "alias", "select"):
+        base = base.args[0]
+    return isinstance(base, fx.Node) and base.op == "get_attr"
 
 
 def _unbind_mask_sizes(graph: fx.Graph, mask: fx.Node) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,19 +188,29 @@ def analyse_block(traced: TracedBlock) -> BlockAnalysis:
     return BlockAnalysis(traced, c, kpoint, vpoint, rope, key, value)
 
 
-def analyse_model(model: nn.Module) -> ModelAnalysis:
-    """Find, trace (once per block kind) and analyse every attention block of ``model``."""
+def analyse_model(
+    model: nn.Module, probe_kwargs: Callable[[torch.Tensor], dict[str, Any]] | None = None
+) -> ModelAnalysis:
+    """Find, trace (once per block kind) and analyse every attention block of ``model``.
+
+    Args:
+        probe_kwargs: for a model whose forward needs more than token ids to take its
+            cached path: ``ids [B, T] -> {keyword: value}`` added to each probe forward
+            (gpt-fast: ``lambda ids: {"input_pos": torch.arange(ids.shape[1])}``).
+    """
     st = state_of(model)
     if st.analysis is not None:
         return st.analysis
+    extra = probe_kwargs or (lambda ids: {})
     check_supported(model)
     start = time.perf_counter()
     short, long = probe_lengths(model)
     was_training = model.training
     model.eval()
     try:
-        calls = find_attention_blocks(model, probe_inputs(model, 2, short))
-        calls2 = find_attention_blocks(model, probe_inputs(model, 3, long))
+        ids, ids2 = probe_inputs(model, 2, short), probe_inputs(model, 3, long)
+        calls = find_attention_blocks(model, ids, **extra(ids))
+        calls2 = find_attention_blocks(model, ids2, **extra(ids2))
     finally:
         model.train(was_training)
     if len(calls) != len(calls2):

@@ -227,6 +227,11 @@ class CachePoint:
     free_dim: int  # the other dim the consumer indexes (kept in scores or output)
     shape: tuple  # symbolic sizes
     chain: tuple[str, ...]  # node names walked, consumer side first
+    # The block's own cache buffer the consumer reads, when the tensor is written into one
+    # at its positions (gpt-fast's ``k_cache[:, :, input_pos] = k``); None otherwise. The
+    # consumer's mask then has one column per buffer slot, i.e. per absolute position.
+    buffer: str | None = None
+    buffer_index: str | None = None  # the positions tensor it is written at (node name)
 
     @property
     def contracted(self) -> Contracted:
@@ -378,6 +383,12 @@ def _step_back(node: fx.Node, dims: dict[str, int | None]) -> tuple[fx.Node, dic
 def _buffer_write(node: fx.Node) -> fx.Node | None:
     """For a buffer the block writes new keys into in place (a cache it preallocates,
     gpt-fast style), the tensor written; else None."""
+    found = _buffer_write_at(node)
+    return None if found is None else found[0]
+
+
+def _buffer_write_at(node: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
+    """``(tensor written, index tensor of its positions or None)`` for ``_buffer_write``."""
     if node.op != "placeholder" or not is_tensor(node):
         return None
     rank = len(shape_of(node))
@@ -397,7 +408,10 @@ def _buffer_write(node: fx.Node) -> fx.Node | None:
             if name in ("index_put", "index_put_", "copy") and user.args[0] is alias:
                 values = user.args[1] if name == "copy" else user.args[2]
                 if isinstance(values, fx.Node) and len(shape_of(values)) == rank:
-                    return values
+                    index = None
+                    if name != "copy":
+                        index = next((i for i in user.args[1] if isinstance(i, fx.Node)), None)
+                    return values, index
     return None
 
 
@@ -428,7 +442,12 @@ def walk_to_cache_point(operand: fx.Node, contracted_dim: int, free_dim: int) ->
     dims: dict[str, int | None] = {"contracted": contracted_dim, "free": free_dim}
     chain: list[tuple[fx.Node, dict]] = [(operand, dims)]
     node = operand
+    buffer = buffer_index = None
     while not _is_source_op(node) or _buffer_write(node) is not None:
+        if node.op == "placeholder":
+            written = _buffer_write_at(node)
+            buffer = node.name
+            buffer_index = written[1].name if written and written[1] is not None else None
         step = _step_back(node, dims) if node.op != "placeholder" else _buffer_write(node)
         if step is not None and node.op == "placeholder":
             step = (step, dict(dims))
@@ -463,7 +482,8 @@ def walk_to_cache_point(operand: fx.Node, contracted_dim: int, free_dim: int) ->
     node, dims = [(n, d) for n, d in candidates if _hinted_numel(n) == smallest][-1]
     return CachePoint(
         node=node, contracted_dim=dims["contracted"], free_dim=dims["free"],
-        shape=shape_of(node), chain=tuple(n.name for n, _ in chain),
+        shape=shape_of(node), chain=tuple(n.name for n, _ in chain), buffer=buffer,
+        buffer_index=buffer_index,
     )
 
 

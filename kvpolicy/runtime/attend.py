@@ -106,6 +106,10 @@ class KVAttend(nn.Module):
         # The replaced consumer's output memory layout: later views in the graph were
         # traced against it (SDPA on CPU returns [B, T, H, D]-major storage).
         self.tokens_major = False
+        # Set by the rewrite for a block that writes K/V into its own buffer at their
+        # positions (gpt-fast): its mask has a column per absolute position, and its calls
+        # name the positions they write (a call at position 0 starts a new sequence).
+        self.mask_by_position = False
         # Where the model keeps RoPE frequencies (runtime.rotary.rotary_sources), set by
         # the compiler: the cache computes rows from them instead of storing rows.
         self.rotary_sources: tuple = ()
@@ -126,7 +130,7 @@ class KVAttend(nn.Module):
             )
         return self.cos_layout.rows(cos), self.sin_layout.rows(sin)
 
-    def forward(self, q, k, v, mask, cos, sin):
+    def forward(self, q, k, v, mask, cos, sin, write_positions=None):
         ctx = CURRENT.get()
         if ctx is None:
             raise KVPolicyError(
@@ -144,11 +148,17 @@ class KVAttend(nn.Module):
             c, s = self._rope_rows(cos, sin)
             rope, positions = cache.rope_rows(layer, c, s, self.rope_style, k.shape[0],
                                               self.rotary_sources)
+        if self.mask_by_position and write_positions is not None:
+            start = _own_cache_start(packed, write_positions, start)
         attn_mask = None
         if mask is not None:
             attn_mask = mask if self.mask_kind != "fill" else ~mask
             while attn_mask.dim() < 4:
                 attn_mask = attn_mask.unsqueeze(0)
+            if self.mask_by_position:
+                # Columns are buffer slots (absolute positions); the keys attended are
+                # those held, from the first not evicted up to this call's last.
+                attn_mask = attn_mask[..., packed.n_evicted : start + q.shape[2]]
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         if q.shape[2] > 1:
             # A prefill, a prompt chunk or a new turn attends over the cache as it stands and
@@ -174,6 +184,27 @@ class KVAttend(nn.Module):
         if self.tokens_major:
             out = out.transpose(1, 2).contiguous().transpose(1, 2)
         return out
+
+
+def _own_cache_start(packed, write_positions: torch.Tensor, start: int) -> int:
+    """Where a call of a block with its own cache buffer writes (the index tensor of its
+    buffer write): appended after what the layer holds, or, at position 0, a new sequence
+    (the layer is cleared first, as the block would overwrite its buffer from slot 0).
+    Returns the layer's token count before this call's tokens."""
+    # NOTE: one host read per layer and call (the first position), as the block's own
+    # buffer write reads its index on the host too.
+    first = int(write_positions.reshape(-1)[0])
+    if first == start:
+        return start
+    if first == 0:
+        packed.clear()
+        return 0
+    raise KVPolicyError(
+        f"the attention block writes its keys at position {first}, but its packed cache "
+        f"holds positions 0-{start - 1}: kvpolicy's cache appends (the next position is "
+        f"{start}) or starts again at position 0; it cannot overwrite the middle of a "
+        "sequence"
+    )
 
 
 def _prefill_attention(q, k, v, attn_mask, causal, scale, rope, positions,

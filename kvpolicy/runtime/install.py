@@ -133,10 +133,24 @@ class CompiledModel:
 
     model_dtype: torch.dtype | None = None
     windows: dict[int, int] = field(default_factory=dict)  # layer -> sliding window
+    # The packed cache that stands in for the model's own cache buffers, for a model
+    # whose blocks write K/V into buffers of their own (gpt-fast): kept across calls.
+    own_cache: KVPolicyCache | None = None
 
     def new_cache(self) -> KVPolicyCache:
         return KVPolicyCache(self.policy, backend=self.backend, model_dtype=self.model_dtype,
                              windows=self.windows)
+
+    @functools.cached_property
+    def keeps_own_cache(self) -> bool:
+        """Whether the blocks write K/V into buffers of their own (gpt-fast style)."""
+        return any(kg.attend.mask_by_position for g in self.kinds.values() for kg in g.values())
+
+    def persistent_cache(self) -> KVPolicyCache:
+        """The cache that replaces the blocks' own buffers, created on first use."""
+        if self.own_cache is None:
+            self.own_cache = self.new_cache()
+        return self.own_cache
 
 
 class _BlockForward:
@@ -172,7 +186,11 @@ class _BlockForward:
                 "by kvpolicy stores its keys and values in a KVPolicyCache. Let the model "
                 "create one (use_cache=True) or pass kvpolicy.KVPolicyCache.for_model(model)"
             )
-        if cache is None:
+        if cache is None and self.compiled.keeps_own_cache:
+            # The block writes into a buffer of its own at given positions: the packed
+            # cache stands in for it across calls (a call at position 0 restarts it).
+            cache = self.compiled.persistent_cache()
+        elif cache is None:
             scope = _CALL.get()
             cache = scope.cache() if scope is not None else self.compiled.new_cache()
         return run_block(gm, cache, self.layer, leaves)

@@ -110,7 +110,8 @@ def test_sdpa_pre_rope_key_replaces_the_consumer_and_drops_the_key_rotation(llam
     g = res.graph
     call = _attend_node(g)
     assert not _CONSUMER_OPS & set(_ops(g))
-    q, k, v, mask, cos, sin = call.args
+    q, k, v, mask, cos, sin, positions = call.args
+    assert positions is None  # no buffer of its own
     assert (q.name, k.name, v.name) == (b.consumer.query.name, b.key.source_node,
                                         b.value.source_node)
     assert mask is None and res.attend.mask_kind is None and res.attend.causal
@@ -133,7 +134,8 @@ def test_sdpa_post_rope_key_keeps_the_rotation(llama_sdpa):
     b = llama_sdpa
     res = _rewrite(b, pre_rope=False)
     call = _attend_node(res.graph)
-    q, k, v, mask, cos, sin = call.args
+    q, k, v, mask, cos, sin, positions = call.args
+    assert positions is None  # no buffer of its own
     assert k.name == b.key_point.node.name != b.key.source_node
     assert (mask, cos, sin) == (None, None, None)
     assert set(b.rope.region) <= _names(res.graph)
@@ -167,7 +169,8 @@ def test_matmul_softmax_matmul_is_replaced_with_its_scale_and_mask(llama_eager):
     # for that output, but nothing of it feeds the attend op.
     feeding = {n.name for n in nx.ancestors(fx_digraph(g), call)}
     assert b.consumer.softmax.name not in feeding and b.consumer.scores.name not in feeding
-    q, k, v, mask, cos, sin = call.args
+    q, k, v, mask, cos, sin, positions = call.args
+    assert positions is None  # no buffer of its own
     assert (q.name, k.name, v.name) == (b.consumer.query.name, b.key.source_node,
                                         b.value.source_node)
     # The additive causal mask the block received: [B, 1, T, T].
@@ -189,7 +192,7 @@ def test_complex_rope_hands_over_one_freqs_cis_and_keeps_the_query_rotation():
     source = b.traced.exported.module().graph
     res = _rewrite(b, pre_rope=True)
     call = _attend_node(res.graph)
-    _, k, _, mask, cos, sin = call.args
+    _, k, _, mask, cos, sin, _ = call.args
     assert k.name == b.key.source_node and sin is None
     assert cos.name == b.rope.cos_node.name
     assert res.attend.complex_rope and res.attend.rope_style == "interleaved"
@@ -204,7 +207,7 @@ def test_no_rope_fused_qkv_reads_the_split_key():
     assert b.rope is None
     for pre_rope in (True, False):  # nothing to move in front of: the same rewrite
         res = _rewrite(b, pre_rope=pre_rope)
-        _, k, v, mask, cos, sin = _attend_node(res.graph).args
+        _, k, v, mask, cos, sin, _ = _attend_node(res.graph).args
         assert (k.name, v.name) == (b.key.source_node, b.value.source_node)
         assert (mask, cos, sin) == (None, None, None)
         assert "scaled_dot_product_attention" not in _ops(res.graph)
@@ -291,7 +294,7 @@ def test_scale_and_mask_between_scores_and_softmax(case):
     b = _block(OneBlockLM(_Between(between)))
     res = _rewrite(b, pre_rope=False)
     g = res.graph
-    q, k, v, mask, cos, sin = _attend_node(g).args
+    q, k, v, mask, cos, sin, _ = _attend_node(g).args
     assert not _CONSUMER_OPS & set(_ops(g)) and "matmul" not in _ops(g)
     assert "tanh" not in _ops(g)
     assert (k.name, v.name) == (b.key.source_node, b.value.source_node)
