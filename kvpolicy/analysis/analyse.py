@@ -130,6 +130,29 @@ def _check_single_source(point: CachePoint, tensor: str, names: dict[str, str]) 
         )
 
 
+def _check_not_returned(gm: fx.GraphModule, points: dict[str, CachePoint]) -> None:
+    """Refuse a block that returns the keys or values it attends over: it keeps its own
+    past the way a caller holds it (passed in, concatenated, returned: nanoGPT variants),
+    which a packed cache the block reads cannot stand in for."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    returned = [x for x in torch.utils._pytree.tree_leaves(out.args)
+                if isinstance(x, fx.Node)]
+    for tensor, point in points.items():
+        walked = set(point.chain)
+        for i, node in enumerate(returned):
+            if node.name in walked:
+                raise AnalysisError(
+                    f"the attention block returns the {tensor}s it attends over (output {i}, "
+                    f"{node.format_node()}): it keeps its own past the hand-written way, past "
+                    "keys and values passed in, concatenated and returned to the caller, who "
+                    "holds them in full precision. kvpolicy cannot take over a past the "
+                    "caller holds. Way out: take a transformers Cache argument and call "
+                    "cache.update(k, v, layer_idx) (kvpolicy passes its packed cache there), "
+                    "or write K/V into a buffer at input_pos (gpt-fast style) and compile "
+                    "with probe_kwargs"
+                )
+
+
 def analyse_block(traced: TracedBlock) -> BlockAnalysis:
     """Contraction analysis and RoPE detection on one exported attention block.
 
@@ -164,6 +187,7 @@ def analyse_block(traced: TracedBlock) -> BlockAnalysis:
         )
         _check_single_source(kpoint, "key", names)
     _check_single_source(vpoint, "value", names)
+    _check_not_returned(gm, {"key": kpoint, "value": vpoint})
     key_source = rope.pre_rope if rope is not None else kpoint.node
     norm_before = rope is not None and not precedes_projection(rope.pre_rope)[0]
     key = TensorFacts(

@@ -139,6 +139,22 @@ class NanoGPTAttention(nn.Module):
         return self.c_proj(y)
 
 
+class NanoGPTPastAttention(NanoGPTAttention):
+    """NanoGPTAttention that keeps its past the common hand-written way: past keys and
+    values passed in, concatenated with the new ones, and returned to the caller."""
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None = None
+    ):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if past is not None:
+            k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=past is None)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)), (k, v)
+
+
 class _NanoGPTBlock(nn.Module):
     def __init__(self, n_embd: int, n_head: int) -> None:
         super().__init__()
@@ -154,37 +170,59 @@ class _NanoGPTBlock(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class _NanoGPTPastBlock(_NanoGPTBlock):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__(n_embd, n_head)
+        self.attn = NanoGPTPastAttention(n_embd, n_head)
+
+    def forward(self, x, past=None):  # type: ignore[override]
+        a, present = self.attn(self.ln_1(x), past)
+        x = x + a
+        return x + self.mlp(self.ln_2(x)), present
+
+
 class NanoGPT(nn.Module):
     """A small nanoGPT-style LM: learned positions, fused-qkv SDPA attention.
 
     ``forward(idx [B, T]) -> logits [B, T, vocab]`` recomputes the whole prefix (nanoGPT
-    keeps no KV cache of its own).
+    keeps no KV cache of its own). With ``keeps_past=True`` it keeps one the common
+    hand-written way: ``forward(idx, past=None) -> (logits, present)``, each layer's past
+    keys and values passed in and returned.
     """
 
     def __init__(
         self, vocab_size: int = 128, n_embd: int = 128, n_head: int = 4, n_layer: int = 2,
-        block_size: int = 256, seed: int = 0,
+        block_size: int = 256, seed: int = 0, keeps_past: bool = False,
     ) -> None:
         super().__init__()
+        self.keeps_past = keeps_past
+        block = _NanoGPTPastBlock if keeps_past else _NanoGPTBlock
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.block_size = block_size
             self.wte = nn.Embedding(vocab_size, n_embd)
             self.wpe = nn.Embedding(block_size, n_embd)
-            self.h = nn.ModuleList(_NanoGPTBlock(n_embd, n_head) for _ in range(n_layer))
+            self.h = nn.ModuleList(block(n_embd, n_head) for _ in range(n_layer))
             self.ln_f = nn.LayerNorm(n_embd)
             self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.eval()
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, past: list | None = None):
         T = idx.shape[1]
-        if T > self.block_size:
-            raise ValueError(f"sequence of {T} tokens exceeds block_size={self.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        start = 0 if past is None else past[0][0].shape[2]
+        if start + T > self.block_size:
+            raise ValueError(f"sequence of {start + T} tokens exceeds block_size={self.block_size}")
+        pos = torch.arange(start, start + T, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+        if not self.keeps_past:
+            for block in self.h:
+                x = block(x)
+            return self.lm_head(self.ln_f(x))
+        present = []
+        for i, block in enumerate(self.h):
+            x, kv = block(x, None if past is None else past[i])
+            present.append(kv)
+        return self.lm_head(self.ln_f(x)), present
 
 
 def _precompute_freqs_cis(seq_len: int, n_elem: int, base: float = 10000.0) -> torch.Tensor:
