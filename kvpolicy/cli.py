@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "the derived policy, budget 2.5 and quanto; 0 skips it (default "
                     f"{evaluation.RETRIEVAL_TOKENS}, or half the model's positions if fewer; "
                     "about L decode steps per run)")
+    ev.add_argument("--text", metavar="FILE", default=None,
+                    help="a UTF-8 text file to cut the segments and retrieval passages from "
+                    "instead of the pydoc text (a budget still calibrates on pydoc)")
     ev.add_argument("--out", metavar="DIR", default="eval-out", help="output folder")
     ev.add_argument("--quick", action="store_true",
                     help="a tiny random model and short text: a smoke test in seconds")
@@ -171,7 +174,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     report = evaluation.evaluate(
         args.model, bits=args.bits, policy=args.policy, segments=args.segments,
         context=args.context, steps=args.steps, out=args.out, quick=args.quick,
-        peers=not args.no_peers, retrieval=args.retrieval,
+        peers=not args.no_peers, retrieval=args.retrieval, text_file=args.text,
     )
     print(report.to_markdown().rstrip("\n"))
     print(f"\nwritten to {args.out}/ (report.md, report.json, plots)")

@@ -86,6 +86,7 @@ class EvalReport:
     retrieval: list[RetrievalResult] = field(default_factory=list)
     # The retrieval check's passages: {"passages", "length", "prefix", "steps", "source"}.
     retrieval_setup: dict[str, Any] | None = None
+    text: str = "pydoc"  # what the segments were cut from: "pydoc", "random" or a file path
 
     def run(self, name: str) -> RunResult:
         """The run called ``name``."""
@@ -98,7 +99,8 @@ class EvalReport:
         lines = [
             f"# kvpolicy eval: {self.model}",
             "",
-            f"{self.segments} segment(s): {self.context}-token prefill, then {self.steps} "
+            f"{self.segments} segment(s) of {self.text} text: {self.context}-token prefill, "
+            f"then {self.steps} "
             f"teacher-forced decode steps through the cache; {self.seconds:.0f} s in all. "
             "KL to fp: mean KL(fp ‖ run) of the next-token distributions per scored step "
             "(nats); top-1 = fp: share of steps whose argmax is the full-precision run's.",
@@ -312,8 +314,10 @@ def _plots(report: EvalReport, out: Path) -> None:
 
 
 def _frontier_plot(report: EvalReport, out: Path, plt) -> None:
-    """``frontier.png``: perplexity ratio against steady-state compression, per series; with
-    a second panel zoomed onto kvpolicy's own points when a peer sits far above them."""
+    """``frontier.png``: perplexity ratio against stored bytes per token in steady state
+    (codes + scales + zeros over all layers: metadata included, so that choices trading
+    codes for metadata are placed fairly), per series; with a second panel zoomed onto
+    kvpolicy's own points when a peer sits far above them."""
     points = frontier_points(report.runs)
     if not points:
         return
@@ -328,20 +332,22 @@ def _frontier_plot(report: EvalReport, out: Path, plt) -> None:
             ("currency", "budget, relative-error currency", "v"),
             ("split", "keys/values split by hand", "D"), ("peer", "quanto (peer)", "s"),
         ):
-            pts = sorted((r for r in points if r.group == group),
-                         key=lambda r: r.steady_compression)
+            pts = sorted((r for r in points if r.group == group and r.bytes_per_token),
+                         key=lambda r: r.bytes_per_token)
             if n_ax == 1:  # the zoomed panel: kvpolicy's points only
                 pts = [r for r in pts if r.group != "peer"]
             if not pts:
                 continue
-            xs, ys = [r.steady_compression for r in pts], [r.ratio for r in pts]
+            xs, ys = [r.bytes_per_token for r in pts], [r.ratio for r in pts]
             ax.plot(xs, ys, style, label=label)
             for r, x, y in zip(pts, xs, ys, strict=True):
-                k = placed.get(round(x, 2), 0)
-                placed[round(x, 2)] = k + 1
+                k = placed.get(round(x), 0)
+                placed[round(x)] = k + 1
                 ax.annotate(r.name, (x, y), fontsize=7, xytext=(4, 3 - 9 * k),
                             textcoords="offset points")
-        ax.set_xlabel("× smaller than fp16, steady state (codes + scales + zeros per token)")
+        fp16 = next((r.fp16_bytes_per_token for r in points if r.fp16_bytes_per_token), None)
+        ax.set_xlabel("stored bytes per token, steady state (codes + scales + zeros, all "
+                      "layers)" + (f"; fp16: {fp16:,}" if fp16 else ""))
         ax.set_ylabel("perplexity / full-precision perplexity")
         ax.set_title(f"{report.model}: frontier" + (", kvpolicy's points" if n_ax else ""))
         ax.legend(fontsize=8)

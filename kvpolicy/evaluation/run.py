@@ -113,6 +113,7 @@ def evaluate(
     quick: bool = False,
     peers: bool = True,
     retrieval: int | None = None,
+    text_file: str | Path | None = None,
     progress: bool = True,
 ) -> EvalReport:
     """Run the full comparison; see the module docstring.
@@ -129,6 +130,9 @@ def evaluate(
         retrieval: tokens per passage of the retrieval check (``segments`` passages, each
             followed by itself; 0 skips it; ``quick`` makes it ``QUICK_RETRIEVAL_TOKENS``);
             default ``RETRIEVAL_TOKENS``, or half the model's positions if fewer.
+        text_file: a UTF-8 text to cut the segments and retrieval passages from instead of
+            the pydoc text (a budget still calibrates on the end of the pydoc text, so that
+            the scored text is never the calibration's).
 
     Raises:
         KVPolicyError: ``context + steps`` or ``2 * retrieval`` exceeds the model's positions,
@@ -142,7 +146,12 @@ def evaluate(
             policy = {"defaults": {"bits": bits, "group_size": 16, "residual": 16, "sinks": 2}}
     if retrieval is not None and retrieval < 0:
         raise KVPolicyError(f"retrieval={retrieval}: give a passage length, or 0 to skip it")
-    load, segs, cal_input, passages = _loader(model, segments, context, steps, retrieval)
+    if text_file is not None and (quick or model.startswith("tiny-")):
+        raise KVPolicyError("--text needs a model with a tokenizer; a tiny model (and "
+                            "--quick) scores random tokens")
+    source = None if text_file is None else text.read_text(text_file)
+    load, segs, cal_input, passages = _loader(model, segments, context, steps, retrieval,
+                                              source)
     user = _spec_dict(policy, bits)
     runs: list[RunResult] = []
     notes: list[str] = []
@@ -260,11 +269,13 @@ def evaluate(
     consumed = consumed_study(load, segs, study_context, study_bits, runs)
     setup = None if task is None else {
         "passages": task.ids.shape[0], "length": task.length, "prefix": task.prefix,
-        "steps": task.steps, "source": "random" if model.startswith("tiny-") else "pydoc",
+        "steps": task.steps,
+        "source": "random" if model.startswith("tiny-") else str(text_file or "pydoc"),
     }
     report = EvalReport(model, segs.shape[0], context, steps, runs,
                         time.perf_counter() - start, consumed, notes, frontier,
-                        list(retrieved.values()), setup)
+                        list(retrieved.values()), setup,
+                        "random" if model.startswith("tiny-") else str(text_file or "pydoc"))
     if out is not None:
         write_report(report, Path(out))
     return report
@@ -350,7 +361,8 @@ def _fp16_bytes(per_token: int | None, batch: int, tokens: int) -> int | None:
 
 
 def _loader(
-    model: str, segments: int, context: int, steps: int, retrieval: int | None
+    model: str, segments: int, context: int, steps: int, retrieval: int | None,
+    source: str | None = None,
 ) -> tuple[Callable[[], Any], torch.Tensor, Any, torch.Tensor | None]:
     """``(load, segments, calibration input, retrieval passages or None)``, after checking
     that the model has positions for them (``_check_positions``). The calibration input of a
@@ -376,10 +388,11 @@ def _loader(
     retrieval = _check_positions(probe, model, context, steps, retrieval)
     del probe
     try:
-        segs = text.segments(tokenizer, length, segments)
+        segs = text.segments(tokenizer, length, segments, source=source)
         passages = (None if not retrieval else
-                    text.segments(tokenizer, retrieval, segments, stride=max(retrieval, 1024)))
-    except ValueError as exc:  # the pydoc text is finite: say which option to lower
+                    text.segments(tokenizer, retrieval, segments, stride=max(retrieval, 1024),
+                                  source=source))
+    except ValueError as exc:  # the text is finite: say which option to lower
         raise KVPolicyError(f"{exc} (--segments, --context + --steps, --retrieval)") from exc
     return (lambda: zoo.load(model)[0]), segs, tokenizer, passages
 

@@ -170,3 +170,12 @@ def test_quanto_steady_state_bytes_match_what_its_cache_holds(axes):
     steady = run._quanto_bytes_per_token(per_token, 2, 16, model)
     assert steady == per_token * (2 / 8 + 2 * 4 / 16)
     assert run._quanto_measured_bytes_per_token(held, per_token, model) == steady
+
+
+def test_text_file_needs_a_model_with_a_tokenizer(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("some text")
+    with pytest.raises(kvpolicy.KVPolicyError, match="--text needs a model with a tokenizer"):
+        run.evaluate("tiny-llama", text_file=path)
+    with pytest.raises(kvpolicy.KVPolicyError, match="--text needs a model with a tokenizer"):
+        run.evaluate(quick=True, text_file=path)

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from kvpolicy.errors import KVPolicyError
 from kvpolicy.zoo import text as data
 
 
@@ -27,3 +28,32 @@ def test_segments_past_the_end_is_an_error(smollm2):
     _, tokenizer = smollm2
     with pytest.raises(ValueError, match="do not fit"):
         data.segments(tokenizer, 1024, starts=[10**6])
+
+
+def test_read_text_refuses_what_it_cannot_score(tmp_path):
+    with pytest.raises(KVPolicyError, match="no such file"):
+        data.read_text(tmp_path / "missing.txt")
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b"\x80\x81\x82 not text")
+    with pytest.raises(KVPolicyError, match="not UTF-8 text"):
+        data.read_text(binary)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(KVPolicyError, match="empty"):
+        data.read_text(empty)
+
+
+@pytest.mark.real_model
+def test_segments_of_a_given_text(smollm2, tmp_path):
+    _, tokenizer = smollm2
+    import inspect as _inspect
+
+    source = _inspect.getsource(_inspect)  # Python source: another kind of text
+    path = tmp_path / "code.py"
+    path.write_text(source, encoding="utf-8")
+    segs = data.segments(tokenizer, 32, 2, stride=500, source=data.read_text(path))
+    tokens = data.pydoc_tokens(tokenizer, source)
+    assert torch.equal(segs[1], tokens[500:532])
+    assert not torch.equal(segs[0], data.segments(tokenizer, 32, 1)[0])
+    with pytest.raises(ValueError, match="tokens of the given text"):
+        data.segments(tokenizer, 10**6, 1, source=source)
