@@ -116,6 +116,13 @@ def _reason(
                 f"{stored} after {phrase} because {_sets(origins['pre_rope'])} pre_rope "
                 "false; pre-RoPE was derived, since the rotation smears outlier channels"
             )
+    if values.get("rotation", "none") != "none":
+        n = facts.head_dim
+        parts.append(
+            f"rotated by a sign-flipped {n}x{n} Walsh-Hadamard matrix before quantization, "
+            "which spreads large channels over each group; exact, since the attention output "
+            "is rotated back once per step"
+        )
     if fallback_from is not None:
         parts.append(
             f"group {group_size}: the default {fallback_from} does not divide "
@@ -183,6 +190,8 @@ def build_policy(
                 "sinks": d.sinks,
                 "axis": d.axis if d.axis is not None else derived_axis,
                 "pre_rope": d.pre_rope and has_rope,
+                # In the defaults a rotation means the values' (see spec.Defaults).
+                "rotation": d.rotation if kind is TensorKind.VALUE else "none",
             }
             origins = dict.fromkeys(values, _DEFAULTS)
             if d.axis is None:

@@ -140,6 +140,9 @@ class TensorPolicy(Frozen):
     # Who chose ``bits``: the defaults (a width), an override rule, or a bit budget's
     # allocator (from the measured sensitivity in ``ModelPolicy.calibration``).
     bits_from: Literal["defaults", "rule", "budget"] = "defaults"
+    # An orthogonal rotation of the head dim before quantization (kernels.rotation);
+    # values only.
+    rotation: Literal["none", "hadamard"] = "none"
     reason: StrictStr
 
     @field_validator("bits")
@@ -168,6 +171,18 @@ class TensorPolicy(Frozen):
                     "quantize before; drop pre_rope or restrict 'layers' to layers with RoPE"
                 )
             raise invalid("pre_rope", msg)
+        if self.rotation != "none":
+            if self.tensor is TensorKind.KEY:
+                raise invalid(
+                    "rotation",
+                    "keys are not rotated: their RoPE is re-applied after dequantization and "
+                    "a rotation of the head dim does not commute with it; use tensor: value",
+                )
+            if self.head_dim & (self.head_dim - 1):
+                raise invalid(
+                    "rotation",
+                    f"a Hadamard rotation needs a power-of-two head_dim, got {self.head_dim}",
+                )
         if self.derived_pre_rope and self.rope is None:
             raise invalid("derived_pre_rope", "derived_pre_rope is true but rope is null")
         if self.bits < FULL_PRECISION:

@@ -37,7 +37,7 @@ from .rules import (
 )
 from .schema import Calibration
 
-_SETTABLE = ("bits", "group_size", "axis", "pre_rope", "residual", "sinks")
+_SETTABLE = ("bits", "group_size", "axis", "pre_rope", "residual", "sinks", "rotation")
 
 LayerSelector = Union[StrictInt, StrictStr, tuple[Union[StrictInt, StrictStr], ...]]
 
@@ -107,6 +107,9 @@ class Defaults(Frozen):
     # None: the derived axis. Set, it applies to keys and values alike and counts as an
     # override wherever it differs from the derived one.
     axis: Axis | None = None
+    # An orthogonal rotation of the head dim before quantization (kernels.rotation). In
+    # the defaults it applies to values only (keys' RoPE does not commute with it).
+    rotation: Literal["none", "hadamard"] = "none"
 
     @field_validator("bits")
     @classmethod
@@ -131,6 +134,7 @@ class OverrideRule(Frozen):
     pre_rope: StrictBool | None = None
     residual: StrictInt | None = Field(default=None, ge=0)
     sinks: StrictInt | None = Field(default=None, ge=0)
+    rotation: Literal["none", "hadamard"] | None = None
 
     @field_validator("layers", mode="before")
     @classmethod

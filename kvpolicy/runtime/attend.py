@@ -23,6 +23,7 @@ from torch import nn
 from ..errors import KVPolicyError
 from ..kernels import torch_backend
 from ..kernels.masks import mask_rows
+from ..kernels.rotation import rotation_matrix
 from .checks import check_softcap
 
 __all__ = ["AttendContext", "CURRENT", "KVAttend", "Layout", "PosLayout"]
@@ -140,6 +141,9 @@ class KVAttend(nn.Module):
         packed = layer.packed
         k = self.key_layout.apply(k)
         v = self.value_layout.apply(v)
+        rotation = rotation_matrix(layer.value_rotation, v.shape[-1], v.device)
+        if rotation is not None:  # every stored value is v R; the output is rotated back
+            v = (v.float() @ rotation).to(v.dtype)
         start = packed.n_seen
         positions = rope = None
         if self.rope_style is not None:
@@ -181,6 +185,8 @@ class KVAttend(nn.Module):
         # A sliding-window layer frees what the next step cannot see (after attending:
         # this step's queries reach one token further back).
         packed.slide()
+        if rotation is not None:
+            out = (out.float() @ rotation.T).to(out.dtype)
         if self.tokens_major:
             out = out.transpose(1, 2).contiguous().transpose(1, 2)
         return out

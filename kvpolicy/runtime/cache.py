@@ -48,12 +48,17 @@ class KVPolicyLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, packed: PackedKVLayer, layer_idx: int) -> None:
+    def __init__(
+        self, packed: PackedKVLayer, layer_idx: int, value_rotation: str = "none"
+    ) -> None:
         super().__init__()
         self.packed = packed
         self.layer_idx = layer_idx
         self.rotary: RotaryGroup | None = None
         self.is_initialized = True
+        # The policy's rotation of the values (kernels.rotation): the layer stores v R,
+        # compiled attention rotates its output back (runtime.attend).
+        self.value_rotation = value_rotation
 
     @property
     def is_sliding(self) -> bool:  # noqa: D102
@@ -117,7 +122,8 @@ class KVPolicyCache(Cache):
     ) -> None:
         windows = windows or {}
         layers = [
-            KVPolicyLayer(_packed_layer(policy, i, backend, model_dtype, windows.get(i)), i)
+            KVPolicyLayer(_packed_layer(policy, i, backend, model_dtype, windows.get(i)), i,
+                          policy.get(i, "value").rotation)
             for i in sorted({t.layer for t in policy.tensors})
         ]
         super().__init__(layers=layers)
