@@ -53,6 +53,7 @@ from ..errors import KVPolicyError, PolicyError
 from ..kernels import reference
 from ..kernels.layout import QuantSpec
 from ..kernels.masks import causal_mask
+from ..kernels.rotation import rotation_matrix
 from ..policy import (
     BUDGET_WIDTHS,
     Calibration,
@@ -312,8 +313,12 @@ def _layer_errors(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy, wid
         if not _fits(vp, w) or vp.pinned_full_precision:
             value_errs.append(None)
         else:
-            v_seg = roundtrip(v[:, :, seg].contiguous(),
-                              QuantSpec(w, vp.group_size, vp.axis.value), store)
+            spec = QuantSpec(w, vp.group_size, vp.axis.value)
+            rot = rotation_matrix(vp.rotation, v.shape[-1], v.device)
+            if rot is None:
+                v_seg = roundtrip(v[:, :, seg].contiguous(), spec, store)
+            else:  # stored as v R, read back through Rᵀ (kernels.rotation)
+                v_seg = roundtrip((v[:, :, seg] @ rot).contiguous(), spec, store) @ rot.T
             dv = torch.zeros_like(v)
             dv[:, :, seg] = v_seg - v[:, :, seg]
             out_v = out + torch.matmul(probs * quantized, expand_heads(dv, hq))

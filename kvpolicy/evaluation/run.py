@@ -71,9 +71,7 @@ def ablations(bits: int | float) -> list[tuple[str, str, dict[str, Any]]]:
         ("K token / V channel", "axes",
          {"overrides": [{**key, "axis": "token"}, {**value, "axis": "channel"}]}),
         ("keys post-RoPE", "rope", {"overrides": [{**key, "pre_rope": False}]}),
-        # A budget calibrates without the rotation (refused), so only for a width.
-        *([("values rotated (Hadamard)", "rotation", {"defaults": {"rotation": "hadamard"}})]
-          if isinstance(bits, int) else []),
+        ("values rotated (Hadamard)", "rotation", {"defaults": {"rotation": "hadamard"}}),
         ("residual 0", "residual", {"defaults": {"residual": 0}}),
         ("residual 32", "residual", {"defaults": {"residual": 32}}),
         ("residual 128", "residual", {"defaults": {"residual": 128}}),

@@ -298,12 +298,13 @@ class ModelPolicy(Frozen):
     def calibration_key(self) -> str:
         """A fingerprint of everything a measured sensitivity depends on except the widths:
         the model name and, per tensor, layer, axis, group size, pre-RoPE, residual, sinks,
-        and whether a rule pins it at full precision (the cache then packs the layer's
-        other tensor token by token)."""
+        the rotation (when there is one), and whether a rule pins it at full precision
+        (the cache then packs the layer's other tensor token by token)."""
         parts = [self.model] + [
             f"{t.layer}{t.tensor.value[0]}:{t.axis.value}:{t.group_size}:{int(t.pre_rope)}:"
             f"{t.residual}:{t.sinks}:{t.num_kv_heads}x{t.head_dim}"
             + (":fp" if t.pinned_full_precision else "")
+            + (f":rot={t.rotation}" if t.rotation != "none" else "")
             for t in self.tensors
         ]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

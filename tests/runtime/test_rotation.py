@@ -89,11 +89,28 @@ def test_rotated_values_decode_from_packed_groups_at_2_bits():
     assert kvpolicy.inspect(model).get(0, "key").rotation == "none"
 
 
-def test_rotating_keys_or_a_budget_is_refused_naming_why():
+def test_rotating_keys_is_refused_naming_why():
     keys = {"defaults": {"bits": 2},
             "overrides": [{"layers": "*", "tensor": "key", "rotation": "hadamard"}]}
     with pytest.raises(PolicyError, match="keys are not rotated: their RoPE"):
         kvpolicy.compile_model(tiny_model("llama"), policy=keys, progress=False)
-    budget = {"defaults": {"bits": 2.5, "rotation": "hadamard"}}
-    with pytest.raises(PolicyError, match="bit budget with rotation: hadamard"):
-        kvpolicy.compile_model(tiny_model("llama"), policy=budget, progress=False)
+
+
+def test_a_budget_calibrates_the_rotated_values():
+    """The calibration quantizes v R as the cache stores it: other value errors, and a
+    calibration measured without the rotation is refused for a policy with one."""
+    ids = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(0))
+    small = {"group_size": 16, "residual": 16, "sinks": 2}
+    policies = {}
+    for rot in ("none", "hadamard"):
+        spec = {"defaults": {"bits": 2.5, **small, "rotation": rot}}
+        policies[rot] = kvpolicy.derive_policy(tiny_model("llama"), policy=spec,
+                                               calibration=ids, progress=False)
+    plain, rotated = policies["none"].calibration, policies["hadamard"].calibration
+    assert plain.settings != rotated.settings
+    assert [la.key for la in plain.layers] == [la.key for la in rotated.layers]
+    assert [la.value for la in plain.layers] != [la.value for la in rotated.layers]
+    spec = {"defaults": {"bits": 2.5, **small, "rotation": "hadamard"}}
+    with pytest.raises(PolicyError, match="settings"):
+        kvpolicy.derive_policy(tiny_model("llama"), policy=spec, calibration=plain,
+                               progress=False)
