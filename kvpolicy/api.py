@@ -19,7 +19,7 @@ from .analysis.analyse import analyse_model
 from .analysis.config import sliding_windows
 from .calibrate.budget import budget_policy
 from .compiler import compile_blocks
-from .errors import KVPolicyError
+from .errors import KVPolicyError, PolicyError
 from .kernels.backend import check_name as check_backend
 from .policy import ModelPolicy, PolicySpec, build_policy, load_spec
 from .runtime.install import CompiledModel, install
@@ -78,6 +78,11 @@ def derive_policy(
             "policy with every width set"
         )
     result = build_policy(analysis.layers, spec, model_name=_model_name(model))
+    if spec.budget is None and any(t.rotation == "auto" for t in result.tensors):
+        raise PolicyError(
+            f"{spec.source}: rotation: auto is chosen per tensor from a bit budget's "
+            "calibration; give a budget (bits=2.5) or rotation: none / hadamard"
+        )
     if spec.budget is not None:
         result, cal = budget_policy(model, result, spec, calibration, progress=progress)
         spec = spec.model_copy(update={"calibration": cal})

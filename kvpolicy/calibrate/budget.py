@@ -67,6 +67,7 @@ from .capture import LayerActivations, capture_activations
 from .metrics import attention_scores, expand_heads, relative_error, roundtrip
 
 __all__ = [
+    "ROTATION_GAIN",
     "CALIBRATION_TOKENS",
     "CALIBRATION_METRICS",
     "calibrate",
@@ -259,7 +260,9 @@ def _fits(t: TensorPolicy, width: int) -> bool:
 @torch.no_grad()
 def _layer_errors(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy, widths: Sequence[int],
                   store: torch.dtype, metric: str = "fisher"
-                  ) -> tuple[list[float | None], list[float | None]]:
+                  ) -> tuple[list[float | None], list[float | None], list[float | None] | None]:
+    """``(key errors, value errors, value errors rotated)`` per width; the last only for
+    ``rotation: auto`` (the value's ``rotation`` otherwise applies to ``value errors``)."""
     q, k, v = act.query, act.key, act.value
     if metric == "fisher" and act.out_grad is None:
         raise ValueError("the fisher metric needs activations captured with loss_grad=True")
@@ -295,6 +298,20 @@ def _layer_errors(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy, wid
         rope, positions = act.rotary(t)
     key_errs: list[float | None] = []
     value_errs: list[float | None] = []
+    rotated_errs: list[float | None] | None = [] if vp.rotation == "auto" else None
+    rotations = ("none", "hadamard") if vp.rotation == "auto" else (vp.rotation,)
+
+    def value_error(w: int, rotation: str) -> float:
+        spec = QuantSpec(w, vp.group_size, vp.axis.value)
+        rot = rotation_matrix(rotation, v.shape[-1], v.device)
+        if rot is None:
+            v_seg = roundtrip(v[:, :, seg].contiguous(), spec, store)
+        else:  # stored as v R, read back through Rᵀ (kernels.rotation)
+            v_seg = roundtrip((v[:, :, seg] @ rot).contiguous(), spec, store) @ rot.T
+        dv = torch.zeros_like(v)
+        dv[:, :, seg] = v_seg - v[:, :, seg]
+        return error(out + torch.matmul(probs * quantized, expand_heads(dv, hq)))
+
     for w in widths:
         if not _fits(kp, w) or kp.pinned_full_precision:
             key_errs.append(None)
@@ -310,20 +327,11 @@ def _layer_errors(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy, wid
             s_mix = torch.where(quantized, s_hat, scores) + mask
             out_k = torch.matmul(torch.softmax(s_mix, dim=-1), v_heads)
             key_errs.append(error(out_k))
-        if not _fits(vp, w) or vp.pinned_full_precision:
-            value_errs.append(None)
-        else:
-            spec = QuantSpec(w, vp.group_size, vp.axis.value)
-            rot = rotation_matrix(vp.rotation, v.shape[-1], v.device)
-            if rot is None:
-                v_seg = roundtrip(v[:, :, seg].contiguous(), spec, store)
-            else:  # stored as v R, read back through Rᵀ (kernels.rotation)
-                v_seg = roundtrip((v[:, :, seg] @ rot).contiguous(), spec, store) @ rot.T
-            dv = torch.zeros_like(v)
-            dv[:, :, seg] = v_seg - v[:, :, seg]
-            out_v = out + torch.matmul(probs * quantized, expand_heads(dv, hq))
-            value_errs.append(error(out_v))
-    return key_errs, value_errs
+        fits = _fits(vp, w) and not vp.pinned_full_precision
+        value_errs.append(value_error(w, rotations[0]) if fits else None)
+        if rotated_errs is not None:
+            rotated_errs.append(value_error(w, rotations[1]) if fits else None)
+    return key_errs, value_errs, rotated_errs
 
 
 def calibrate(
@@ -380,9 +388,10 @@ def calibrate(
     acts = capture_activations(model, input_ids.to(device), loss_grad=metric == "fisher")
     layers = []
     for act in tqdm(acts, desc="calibrating", unit="layer", disable=not progress):
-        ke, ve = _layer_errors(act, policy.get(act.layer, "key"),
-                               policy.get(act.layer, "value"), widths, store, metric)
-        layers.append(LayerSensitivity(layer=act.layer, key=tuple(ke), value=tuple(ve)))
+        ke, ve, vr = _layer_errors(act, policy.get(act.layer, "key"),
+                                   policy.get(act.layer, "value"), widths, store, metric)
+        layers.append(LayerSensitivity(layer=act.layer, key=tuple(ke), value=tuple(ve),
+                                       value_rotated=None if vr is None else tuple(vr)))
         act.query = act.key = act.key_pre = act.value = act.out_grad = None  # type: ignore
     cal = Calibration(
         metric=CALIBRATION_METRICS[metric], model=policy.model, source=source,
@@ -486,6 +495,16 @@ def _fmt(e: float) -> str:
     return f"{e:.1e}"
 
 
+# rotation: auto rotates a value when the rotation cuts its measured cost at the allocated
+# width below this share of the plain cost: a rotation costs a [D, D] matmul of the values
+# appended and of the attention output per step, so a tie keeps the plain cache.
+ROTATION_GAIN = 0.95
+
+
+def _rotate(plain: float | None, turned: float | None) -> bool:
+    return plain is not None and turned is not None and turned < ROTATION_GAIN * plain
+
+
 def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float) -> ModelPolicy:
     """``policy`` with every tensor not pinned by a rule at the width :func:`allocate`
     gives it; reasons quote the measured errors, the result records budget and calibration.
@@ -502,17 +521,30 @@ def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float) -
             "file so that compile_model measures it again"
         )
     tensors = policy.tensors
-    errors, pinned = [], {}
+    errors, rotated, pinned = [], [], {}
     for i, t in enumerate(tensors):
+        rotated.append({})
         if t.bits_from == "rule":
             pinned[i] = t.bits
             errors.append({})
-        else:
-            errors.append(calibration.errors(t.layer, t.tensor))
+            continue
+        errors.append(calibration.errors(t.layer, t.tensor))
+        if t.rotation == "auto":
+            rotated[i] = calibration.errors(t.layer, t.tensor, rotated=True)
+            if not rotated[i]:
+                raise PolicyError(
+                    f"layer {t.layer} {t.tensor.value}: rotation: auto, but the calibration "
+                    "has no rotated errors; delete the 'calibration' block so that "
+                    "compile_model measures it again"
+                )
+    # rotation: auto takes, at each width, the cheaper of the two (by ROTATION_GAIN).
+    costs = [{w: min(e, rotated[i][w]) if _rotate(e, rotated[i].get(w)) else e
+              for w, e in errs.items()} for i, errs in enumerate(errors)]
     sizes = [t.elements_per_token for t in tensors]
-    widths = allocate(errors, sizes, budget, pinned)
+    widths = allocate(costs, sizes, budget, pinned)
     out = []
     for i, (t, w) in enumerate(zip(tensors, widths, strict=True)):
+        data = t.model_dump()
         if i in pinned:
             reason = f"{t.reason}; pinned by the rule, counted against the budget {budget:g}"
         else:
@@ -521,7 +553,15 @@ def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float) -
                 f"{t.reason}; budget {budget:g}: {w} bit{'s' if w > 1 else ''}, from the "
                 f"measured {calibration.metric} of quantizing this tensor alone ({measured})"
             )
-        data = t.model_dump()
+        if t.rotation == "auto":
+            plain, turned = errors[i].get(w), rotated[i].get(w)
+            data["rotation"] = "hadamard" if _rotate(plain, turned) else "none"
+            reason += (
+                f"; rotation: auto chose {data['rotation']} (at {w} bits "
+                f"{_fmt(turned) if turned is not None else '-'} rotated against "
+                f"{_fmt(plain) if plain is not None else '-'} plain; rotated when it costs "
+                f"under {ROTATION_GAIN:g}x)"
+            )
         data.update(bits=w, reason=reason, bits_from="rule" if i in pinned else "budget")
         out.append(TensorPolicy.model_validate(data))
     return policy.model_copy(update={

@@ -116,7 +116,7 @@ def _reason(
                 f"{stored} after {phrase} because {_sets(origins['pre_rope'])} pre_rope "
                 "false; pre-RoPE was derived, since the rotation smears outlier channels"
             )
-    if values.get("rotation", "none") != "none":
+    if values.get("rotation", "none") == "hadamard":
         n = facts.head_dim
         parts.append(
             f"rotated by a sign-flipped {n}x{n} Walsh-Hadamard matrix before quantization, "
@@ -203,6 +203,8 @@ def build_policy(
                     for name, value in rule.settings().items():
                         values[name] = value
                         origins[name] = i
+            if values["rotation"] == "auto" and tf.head_dim & (tf.head_dim - 1):
+                values["rotation"] = "none"  # no Hadamard of this size: nothing to choose
             if values["pre_rope"] and not has_rope and tf.rope is not None:
                 raise PolicyError(
                     f"{spec.source}, {_where(origins['pre_rope'])}, field 'pre_rope': layer "

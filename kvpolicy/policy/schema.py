@@ -61,6 +61,8 @@ class LayerSensitivity(Frozen):
     layer: StrictInt = Field(ge=0)
     key: tuple[Union[float, None], ...]
     value: tuple[Union[float, None], ...]
+    # For ``rotation: auto``: the value's errors once more with the Hadamard rotation.
+    value_rotated: tuple[Union[float, None], ...] | None = None
 
 
 class Calibration(Frozen):
@@ -103,12 +105,19 @@ class Calibration(Frozen):
                 )
         return self
 
-    def errors(self, layer: int, tensor: TensorKind | str) -> dict[int, float]:
-        """``{width: error}`` of one tensor, feasible widths only; KeyError if not measured."""
+    def errors(self, layer: int, tensor: TensorKind | str,
+               rotated: bool = False) -> dict[int, float]:
+        """``{width: error}`` of one tensor, feasible widths only (``rotated``: the value's
+        errors with the Hadamard rotation, empty if not measured); KeyError if the layer
+        was not measured."""
         kind = TensorKind(tensor)
         for ls in self.layers:
             if ls.layer == layer:
                 row = ls.key if kind is TensorKind.KEY else ls.value
+                if rotated:
+                    row = ls.value_rotated if kind is TensorKind.VALUE else None
+                    if row is None:
+                        return {}
                 return {w: e for w, e in zip(self.widths, row, strict=True) if e is not None}
         raise KeyError(f"layer {layer} is not in this calibration")
 
@@ -141,8 +150,8 @@ class TensorPolicy(Frozen):
     # allocator (from the measured sensitivity in ``ModelPolicy.calibration``).
     bits_from: Literal["defaults", "rule", "budget"] = "defaults"
     # An orthogonal rotation of the head dim before quantization (kernels.rotation);
-    # values only.
-    rotation: Literal["none", "hadamard"] = "none"
+    # values only. "auto": chosen per tensor from the calibration of a bit budget.
+    rotation: Literal["none", "hadamard", "auto"] = "none"
     reason: StrictStr
 
     @field_validator("bits")

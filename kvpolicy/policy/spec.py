@@ -109,7 +109,9 @@ class Defaults(Frozen):
     axis: Axis | None = None
     # An orthogonal rotation of the head dim before quantization (kernels.rotation). In
     # the defaults it applies to values only (keys' RoPE does not commute with it).
-    rotation: Literal["none", "hadamard"] = "none"
+    # "auto": a bit budget's calibration measures both and keeps the rotation where it
+    # cuts the measured cost (calibrate.budget.ROTATION_GAIN).
+    rotation: Literal["none", "hadamard", "auto"] = "none"
 
     @field_validator("bits")
     @classmethod
@@ -134,7 +136,7 @@ class OverrideRule(Frozen):
     pre_rope: StrictBool | None = None
     residual: StrictInt | None = Field(default=None, ge=0)
     sinks: StrictInt | None = Field(default=None, ge=0)
-    rotation: Literal["none", "hadamard"] | None = None
+    rotation: Literal["none", "hadamard", "auto"] | None = None
 
     @field_validator("layers", mode="before")
     @classmethod

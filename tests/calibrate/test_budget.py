@@ -169,7 +169,7 @@ def test_calibration_error_is_what_the_decode_cache_gives(tensor, key_bits):
         kp = kp.model_copy(update={"bits": 16, "bits_from": "rule"})
     expected = {}
     for metric in budget.CALIBRATION_METRICS:
-        key_errs, value_errs = budget._layer_errors(act, kp, vp, (2,), torch.float32, metric)
+        key_errs, value_errs, _ = budget._layer_errors(act, kp, vp, (2,), torch.float32, metric)
         expected[metric] = key_errs[0] if tensor == "key" else value_errs[0]
 
     rope, positions = act.rotary()

@@ -114,3 +114,30 @@ def test_a_budget_calibrates_the_rotated_values():
     with pytest.raises(PolicyError, match="settings"):
         kvpolicy.derive_policy(tiny_model("llama"), policy=spec, calibration=plain,
                                progress=False)
+
+
+def test_auto_rotates_a_value_with_planted_outlier_channels_and_leaves_the_other_alone():
+    model = tiny_model("llama")
+    with torch.no_grad():  # layer 0: one large channel per KV head of its values
+        weight = model.model.layers[0].self_attn.v_proj.weight  # [Hkv * D, hidden]
+        weight[3] *= 40.0
+        weight[32 + 17] *= 40.0
+    ids = torch.randint(3, 128, (1, 128), generator=torch.Generator().manual_seed(0))
+    spec = {"defaults": {"bits": 2.5, "group_size": 16, "residual": 16, "sinks": 2,
+                         "rotation": "auto"}}
+    policy = kvpolicy.derive_policy(model, policy=spec, calibration=ids, progress=False)
+    planted, plain = policy.get(0, "value"), policy.get(1, "value")
+    assert planted.rotation == "hadamard" and "rotation: auto chose hadamard" in planted.reason
+    assert plain.rotation == "none" and "rotation: auto chose none" in plain.reason
+    assert all(policy.get(i, "key").rotation == "none" for i in policy.layers)
+    # The choice is a policy the cache runs: compile from it and decode.
+    compiled = kvpolicy.compile_model(model, policy=spec, calibration=policy.calibration,
+                                      progress=False)
+    layers = compiled(ids[:, :80], use_cache=True).past_key_values.layers
+    assert [la.value_rotation for la in layers] == ["hadamard", "none"]
+
+
+def test_auto_without_a_budget_is_refused():
+    spec = {"defaults": {"bits": 2, "rotation": "auto"}}
+    with pytest.raises(PolicyError, match="rotation: auto is chosen per tensor from a bit"):
+        kvpolicy.compile_model(tiny_model("llama"), policy=spec, progress=False)
