@@ -10,7 +10,6 @@ anything (``runtime.install``), so a failed compile leaves the model as it was.
 from __future__ import annotations
 
 import inspect as _inspect
-import logging
 
 import torch
 from torch import nn
@@ -39,8 +38,6 @@ from .runtime.install import (
 from .runtime.rotary import rotary_sources
 
 __all__ = ["compile_blocks", "sliding_windows"]
-
-log = logging.getLogger(__name__)
 
 
 def compile_blocks(

@@ -225,13 +225,14 @@ def rewrite_block(
     pre_node, rope = _recorded(graph, ROPE_META, required=False)
     by_name = {n.name: n for n in graph.nodes}
 
-    def here(n: fx.Node | None) -> fx.Node | None:
-        """A node of a record, as the node of the same name in ``graph``."""
+    def here(n: fx.Node | str | None) -> fx.Node | None:
+        """A node of a record (or its name), as the node of the same name in ``graph``."""
         if n is None:
             return None
-        if n.name not in by_name:
-            raise AnalysisError(f"node {n.name} is missing from the graph being rewritten")
-        return by_name[n.name]
+        name = n if isinstance(n, str) else n.name
+        if name not in by_name:
+            raise AnalysisError(f"node {name} is missing from the graph being rewritten")
+        return by_name[name]
 
     for point in (key_point, value_point):
         # Names missing here are lifted parameters and buffers (renamed by unlifting),
@@ -306,7 +307,7 @@ def rewrite_block(
 
     new_target = m(target)
     with new.inserting_before(new_target):
-        index = here(by_name.get(key_point.buffer_index)) if key_point.buffer_index else None
+        index = here(key_point.buffer_index)
         call = new.call_module(module_name, (m(q), m(kp), m(value_node), m(mask),
                                              m(cos_node), m(sin_node), m(index)))
         call.meta = dict(new_target.meta)

@@ -380,15 +380,10 @@ def _step_back(node: fx.Node, dims: dict[str, int | None]) -> tuple[fx.Node, dic
     return None
 
 
-def _buffer_write(node: fx.Node) -> fx.Node | None:
+def _buffer_write(node: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
     """For a buffer the block writes new keys into in place (a cache it preallocates,
-    gpt-fast style), the tensor written; else None."""
-    found = _buffer_write_at(node)
-    return None if found is None else found[0]
-
-
-def _buffer_write_at(node: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
-    """``(tensor written, index tensor of its positions or None)`` for ``_buffer_write``."""
+    gpt-fast style): ``(tensor written, index tensor of its positions or None)``; else
+    None."""
     if node.op != "placeholder" or not is_tensor(node):
         return None
     rank = len(shape_of(node))
@@ -443,14 +438,16 @@ def walk_to_cache_point(operand: fx.Node, contracted_dim: int, free_dim: int) ->
     chain: list[tuple[fx.Node, dict]] = [(operand, dims)]
     node = operand
     buffer = buffer_index = None
-    while not _is_source_op(node) or _buffer_write(node) is not None:
-        if node.op == "placeholder":
-            written = _buffer_write_at(node)
+    while True:
+        written = _buffer_write(node)
+        if written is not None:  # through the buffer to the tensor written into it
             buffer = node.name
-            buffer_index = written[1].name if written and written[1] is not None else None
-        step = _step_back(node, dims) if node.op != "placeholder" else _buffer_write(node)
-        if step is not None and node.op == "placeholder":
-            step = (step, dict(dims))
+            buffer_index = written[1].name if written[1] is not None else None
+            step = (written[0], dict(dims))
+        elif _is_source_op(node):
+            break
+        else:
+            step = _step_back(node, dims)
         if step is None:
             raise AnalysisError(
                 f"cannot follow the attention operand back through {node.format_node()}: "

@@ -52,6 +52,14 @@ _ROPE_OPS = frozenset({
 }) | LAYOUT_OPS
 
 
+# How RopeFacts.description names each style.
+_STYLE_TEXT = {
+    RopeStyle.ROTATE_HALF: "rotate-half",
+    RopeStyle.INTERLEAVED: "interleaved-pair",
+    RopeStyle.COMPLEX: "complex-multiply (interleaved pairs)",
+}
+
+
 @dataclass(frozen=True)
 class RopeMatch:
     facts: RopeFacts
@@ -201,11 +209,7 @@ def find_rope(
             cos_src = cos_src or src
             cos_node = cos_node or pos_in
     partial = rotary_dim < head_dim
-    desc = {
-        RopeStyle.ROTATE_HALF: "rotate-half",
-        RopeStyle.INTERLEAVED: "interleaved-pair",
-        RopeStyle.COMPLEX: "complex-multiply (interleaved pairs)",
-    }[style]
+    desc = _STYLE_TEXT[style]
     span = (
         f"channels 0-{rotary_dim - 1} of {head_dim} (partial)"
         if partial else f"all {head_dim} channels"
@@ -300,7 +304,7 @@ def find_rope_in_place(
     first, end, match = found[0]
     inner = match.facts
     span = f"channels {first}-{end - 1} of {head_dim}"
-    style = inner.description.split(" RoPE")[0]
+    style = _STYLE_TEXT[inner.style]
     return RopeFacts(
         style=inner.style, rotary_dim=inner.rotary_dim, head_dim=head_dim,
         cos_source=inner.cos_source, sin_source=inner.sin_source,

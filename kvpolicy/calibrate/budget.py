@@ -538,7 +538,7 @@ def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float) -
                     "compile_model measures it again"
                 )
     # rotation: auto takes, at each width, the cheaper of the two (by ROTATION_GAIN).
-    costs = [{w: min(e, rotated[i][w]) if _rotate(e, rotated[i].get(w)) else e
+    costs = [{w: rotated[i][w] if _rotate(e, rotated[i].get(w)) else e
               for w, e in errs.items()} for i, errs in enumerate(errors)]
     sizes = [t.elements_per_token for t in tensors]
     widths = allocate(costs, sizes, budget, pinned)
