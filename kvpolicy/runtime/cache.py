@@ -184,7 +184,10 @@ class KVPolicyCache(Cache):
                           "computed" if group.computed else "stored rows")
             group.layers += 1
             layer.rotary = group
-        return group.spec(), pos
+        # The Triton kernels read a half-precision table as it is (half the bytes; the
+        # rows are rounded to the model's dtype anyway); the C++ kernel wants fp32.
+        half = packed.kernels(cos.device).name == "triton"
+        return group.spec(cos.dtype if half else torch.float32), pos
 
     def reset(self) -> None:
         super().reset()

@@ -2,10 +2,26 @@
 alignment of a sliding-window layer's mask.
 
 Each check raises ``CacheError`` naming the cause and the fix, before anything is stored.
+
+Checks of *shapes, dtypes and devices* read only metadata and always run. Checks of the
+*values* (NaN/Inf in keys, values and queries; that the positions a step's RoPE rows show
+are the ones the cache infers) read device data on the host, which on a GPU is a
+synchronisation that stalls the launch queue. :func:`data_checks` says when they run:
+
+- on a CPU tensor, always (the data is already on the host: no stall);
+- on any other device, for calls of more than one token (a prefill, a prompt chunk: one
+  stall per layer, spread over the whole prompt), not for one-token decode steps;
+- ``KVPOLICY_CHECKS=1``: always, every step on every device (to debug a model that turns
+  NaN mid-generation); ``KVPOLICY_CHECKS=0``: never (compile-time and metadata checks
+  still run).
+
+The same rule decides the one host read that is not a check: whether a mask that hides
+nothing is dropped so that the kernels skip reading it (a GPU step reads it instead).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -13,7 +29,26 @@ import torch
 from ..errors import CacheError
 from ..kernels.layout import QuantSpec, RotarySpec
 
-__all__ = ["check_pair", "check_query", "check_rope", "check_softcap", "align_window_mask"]
+__all__ = [
+    "CHECKS_ENV", "check_finite", "check_pair", "check_query", "check_rope", "check_softcap",
+    "check_table", "align_window_mask", "data_checks",
+]
+
+CHECKS_ENV = "KVPOLICY_CHECKS"
+
+
+def data_checks(device: torch.device, tokens: int) -> bool:
+    """Whether a call of ``tokens`` new tokens on ``device`` checks the *values* of its
+    tensors (a host read; see the module docstring for the rule and ``KVPOLICY_CHECKS``)."""
+    mode = os.environ.get(CHECKS_ENV, "")
+    if mode == "1":
+        return True
+    if mode == "0":
+        return False
+    if mode not in ("", "auto"):
+        raise CacheError(f"{CHECKS_ENV}={mode!r}: use 1 (check every step), 0 (never check "
+                         "values) or leave it unset (check where it costs no GPU stall)")
+    return device.type == "cpu" or tokens > 1
 
 
 def check_pair(key: Any, value: Any, key_spec: QuantSpec, value_spec: QuantSpec) -> None:
@@ -51,6 +86,31 @@ def check_pair(key: Any, value: Any, key_spec: QuantSpec, value_spec: QuantSpec)
             )
 
 
+def check_finite(key: torch.Tensor, value: torch.Tensor) -> None:
+    """An append's ``key``/``value`` hold no NaN or Inf (where :func:`data_checks` says)."""
+    t = key.shape[2]
+    if t and data_checks(key.device, t) and not (
+        torch.isfinite(key).all() and torch.isfinite(value).all()
+    ):
+        which = "key" if not torch.isfinite(key).all() else "value"
+        raise CacheError(
+            f"{which} holds NaN or Inf; the cache was left unchanged (check the model "
+            f"in full precision, or clamp activations before caching)"
+        )
+
+
+def check_table(rope: RotarySpec, positions: Any, head_dim: int) -> None:
+    """A layer's own rotary table covers an append's ``positions`` (``TokenPositions``,
+    bounds known on the host) and fits ``head_dim``."""
+    if positions.count and positions.hi >= rope.max_positions:
+        raise CacheError(
+            f"positions span [{positions.lo}, {positions.hi}] but the rotary table "
+            f"has {rope.max_positions} rows; build the RotarySpec longer"
+        )
+    if rope.rotary_dim > head_dim or rope.rotary_dim % 2:
+        raise CacheError(f"rotary_dim={rope.rotary_dim} must be even and <= head_dim={head_dim}")
+
+
 def check_query(
     query: Any, attn_mask: Any, kv: tuple[int, int, int], device: torch.device, tokens: int
 ) -> None:
@@ -74,7 +134,7 @@ def check_query(
         )
     if query.device != device:
         raise CacheError(f"query on {query.device} but the cache lives on {device}")
-    if not torch.isfinite(query).all():
+    if data_checks(device, tq) and not torch.isfinite(query).all():
         raise CacheError("query holds NaN or Inf")
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):

@@ -38,7 +38,16 @@ from ..kernels.backend import Backend, check_name, select
 from ..kernels.contract import quantize_in_blocks
 from ..kernels.layout import Packed, QuantSpec, RotarySpec
 from ..kernels.masks import mask_rows, none_if_open
-from .checks import align_window_mask, check_pair, check_query, check_rope, check_softcap
+from .checks import (
+    align_window_mask,
+    check_finite,
+    check_pair,
+    check_query,
+    check_rope,
+    check_softcap,
+    check_table,
+    data_checks,
+)
 from .growing import Growing
 from .positions import Positions, TokenPositions
 
@@ -217,33 +226,20 @@ class PackedKVLayer:
                 f"key/value dtype {key.dtype} differs from the cache dtype {store}; cast with "
                 f".to({store}) or build the layer with dtype=..."
             )
-        if t and not (torch.isfinite(key).all() and torch.isfinite(value).all()):
-            which = "key" if not torch.isfinite(key).all() else "value"
-            raise CacheError(
-                f"{which} holds NaN or Inf; the cache was left unchanged (check the model "
-                f"in full precision, or clamp activations before caching)"
-            )
+        check_finite(key, value)
         pos = None
         if positions is not None or self.pre_rope:
             # Default: the running index, known without a sync.
             pos = TokenPositions.checked(positions, b, t, key.device, self.n_seen)
         if self.rope is not None:
-            if t and pos.hi >= self.rope.max_positions:
-                raise CacheError(
-                    f"positions span [{pos.lo}, {pos.hi}] but the rotary table "
-                    f"has {self.rope.max_positions} rows; build the RotarySpec longer"
-                )
-            if self.rope.rotary_dim > dk or self.rope.rotary_dim % 2:
-                raise CacheError(
-                    f"rotary_dim={self.rope.rotary_dim} must be even and <= head_dim={dk}"
-                )
+            check_table(self.rope, pos, dk)
         if self.dtype is not None:
             key, value = key.to(self.dtype), value.to(self.dtype)
         return key, value, pos
 
     # ------------------------------------------------------------------ backend
 
-    def _kernels(self, device: torch.device) -> Backend:
+    def kernels(self, device: torch.device) -> Backend:
         """The backend record for ``device``, selected on first use and kept (a cleared
         layer may be refilled on another device, hence the key)."""
         if self._chosen is None or self._chosen[0] != device:
@@ -270,7 +266,7 @@ class PackedKVLayer:
         b, h, t, dk = key.shape
         if t == 0:
             return
-        quantize = self._kernels(key.device).quantize
+        quantize = self.kernels(key.device).quantize
         # Build the new state in locals, then commit: nothing below raises on valid input,
         # and an unexpected failure (e.g. out of memory) leaves the old state in place.
         store = key.dtype
@@ -406,7 +402,7 @@ class PackedKVLayer:
             vs.append(self._sink_v.to(store))
         if self._n_packed:
             pk, pv = self._packed()
-            dequantize = self._kernels(self._device).dequantize
+            dequantize = self.kernels(self._device).dequantize
             ks.append(dequantize(pk, self.key_spec, store))
             vs.append(dequantize(pv, self.value_spec, store))
         if self._res_k is not None:
@@ -496,20 +492,24 @@ class PackedKVLayer:
             if rope is not None:
                 new = new_pos.tensor(query.device)
                 fpos = new if fpos is None else torch.cat((fpos, new), dim=1)
-        decode = self._kernels(query.device).decode_attention
+        decode = self.kernels(query.device).decode_attention
+        look = data_checks(query.device, tq)
         outs = []
         for r0 in range(0, tq, _ROWS):
             rows = range(r0, min(tq, r0 + _ROWS))
             mask = mask_rows(attn_mask, causal, rows, tq, total, query.device)
             pmask = fmask = None
             if mask is not None:
+                # An open mask is dropped (the kernels then skip reading it) where looking
+                # costs no stall (runtime.checks.data_checks); elsewhere it is read as is.
+                open_ = none_if_open if look else (lambda m: m)
                 if npk:
-                    pmask = none_if_open(mask[..., ns : ns + npk])
+                    pmask = open_(mask[..., ns : ns + npk])
                 if fk is not None:
                     pieces = (mask[..., :ns], mask[..., ns + npk :])
-                    fmask = none_if_open(torch.cat(pieces, dim=-1))
+                    fmask = open_(torch.cat(pieces, dim=-1))
             outs.append(decode(
-                query[:, :, r0 : rows.stop].float(), pk, pv, self.key_spec, self.value_spec,
+                query[:, :, r0 : rows.stop], pk, pv, self.key_spec, self.value_spec,
                 fk, fv, scale=scale, mask=pmask, fp_mask=fmask, rope=rope, softcap=softcap,
                 k_positions=kpos, fp_positions=fpos, check_positions=False,  # checked above
             )[0])

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..kernels.layout import RotarySpec
+from .checks import data_checks
 from .growing import Growing
 from .positions import Positions, TokenPositions
 
@@ -118,9 +119,12 @@ class RotaryGroup:
 
     # ------------------------------------------------------------------ rows
 
-    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos/sin ``[..., r]`` of int64 ``positions`` exactly as the model computes
-        them: ``(cos(p * inv_freq) * scale)`` rounded to the model's dtype."""
+    def rows(
+        self, positions: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[..., r]`` of int64 ``positions`` exactly as the model computes
+        them: ``(cos(p * inv_freq) * scale)`` rounded to the model's dtype, returned in
+        ``dtype`` (fp32, or the model's own dtype: the same values)."""
         assert self.inv_freq is not None
         inv = self.inv_freq.to(positions.device)
         f = positions.to(torch.float32)[..., None] * inv
@@ -128,11 +132,15 @@ class RotaryGroup:
         if self.scale != 1.0:
             c, s = c * self.scale, s * self.scale
         if self.dtype != torch.float32:
-            c, s = c.to(self.dtype).float(), s.to(self.dtype).float()
+            c, s = c.to(self.dtype), s.to(self.dtype)
+            if dtype != self.dtype:
+                c, s = c.to(dtype), s.to(dtype)
         return _layout(c, self.style), _layout(s, self.style)
 
-    def spec(self) -> RotarySpec:
-        """A table every position handed out so far indexes (see module doc)."""
+    def spec(self, dtype: torch.dtype = torch.float32) -> RotarySpec:
+        """A table every position handed out so far indexes (see module doc): in
+        ``dtype`` when the rows are computed and ``dtype`` is the model's own (exact);
+        fp32 otherwise (stored rows are kept in fp32)."""
         if not self.computed:
             key = self.cos.n
             if self._spec is None or self._spec[0] != key:
@@ -140,7 +148,8 @@ class RotaryGroup:
                                               self.sin.view()))
             return self._spec[1]
         rows = self.hi + 1
-        if self._spec is None or self._spec[0] != rows:
+        dtype = dtype if dtype == self.dtype else torch.float32
+        if self._spec is None or self._spec[0] != rows or self._spec[1].cos.dtype != dtype:
             # NOTE: rebuilt once per step for all layers. SmolLM2 shapes (rotary_dim 64),
             # one thread, loaded machine: 0.3 / 1.0 / 2.0 / 6.3 ms at 1K / 4K / 8K / 16K
             # positions, against 0.05 / 0.26 / 0.75 / 1.8 ms for the torch.cat onto a held
@@ -149,7 +158,7 @@ class RotaryGroup:
             # 8K compression at 4.33x (now 4.92x), and a one-layer, one-KV-head model's
             # 16K compression at 0.45x (now 5.11x).
             pos = torch.arange(rows, device=self.inv_freq.device)
-            self._spec = (rows, RotarySpec(self.style, self.rotary_dim, *self.rows(pos)))
+            self._spec = (rows, RotarySpec(self.style, self.rotary_dim, *self.rows(pos, dtype)))
         spec = self._spec[1]
         self._reads += 1
         if self._steps > 1 and self._reads >= self.layers:
@@ -193,6 +202,8 @@ class RotaryGroup:
         if (roots[0] is _root(cos) and roots[1] is _root(sin)
                 and step.sigs == (_signature(cos), _signature(sin))):
             return True  # the very rows the step was resolved from (alive, so unchanged)
+        if not data_checks(cos.device, cos.shape[1]):
+            return True  # a decode step on a GPU: same start and shape, rows trusted
         if step.rows is not None:
             want = step.rows
         elif self.computed:
@@ -218,6 +229,10 @@ class RotaryGroup:
         else:
             guess = None
         if guess is not None:
+            if not data_checks(cos.device, t):
+                # A decode step on a GPU: the next positions are trusted (comparing the
+                # rows is a host read); KVPOLICY_CHECKS=1 verifies them every step.
+                return guess
             vals = guess.tensor(cos.device)
             if isinstance(guess.runs[0].base, int):
                 vals = vals[:1]
