@@ -46,9 +46,10 @@ def _one_triton_config_on_gpu():
     if not torch.cuda.is_available():
         yield
         return
-    from kvpolicy.kernels import triton_attention, triton_quant
+    from kvpolicy.kernels import triton_attention, triton_decode, triton_quant
 
-    tuned = [triton_attention._packed_attention_kernel, triton_quant._quantize_pack_kernel]
+    tuned = [triton_attention._packed_attention_kernel, triton_decode._decode_kernel,
+             triton_quant._quantize_pack_kernel]
     saved = [k.configs for k in tuned]
     for k in tuned:
         k.configs = k.configs[:1]

@@ -1,13 +1,23 @@
-"""Triton device functions that read one tile of a packed tensor, dequantized in registers.
+"""Triton device code shared by the attention kernels: packed tiles dequantized in
+registers, one segment's online softmax, and the merge of split results.
 
-Used by the attention kernel of :mod:`kvpolicy.kernels.triton_attention` (imported with
-it, so ``TRITON_INTERPRET`` applies to both alike). Two ways to read a tile: a generic
-gather (:func:`dequant_tile`: any bits, either axis, any group size; one load per element
-for the code, scale and zero) and byte-at-a-time fast paths for the common layouts
-(per-channel keys in whole groups, :func:`load_keys`; per-token values,
-:func:`dequant_token_rows`; bits 1, 2, 4, 8 and power-of-two groups) that load each byte
-once and each scale once per group. Every tile is ``code * scale + zero`` in fp32 (fp16
-for fp16 queries), as :func:`kvpolicy.kernels.reference.dequantize`.
+Used by the kernels of :mod:`kvpolicy.kernels.triton_attention` (one packed segment) and
+:mod:`kvpolicy.kernels.triton_decode` (a packed and a full-precision segment in one
+launch), imported with them, so ``TRITON_INTERPRET`` applies to all alike.
+
+Reading tiles: a generic gather (:func:`dequant_tile`: any bits, either axis, any group
+size, or a plain 16-bit tensor; one load per element for the code, scale and zero) and
+byte-at-a-time fast paths for the common layouts (per-channel keys in whole groups,
+:func:`load_keys`; per-token values, :func:`dequant_token_rows`; bits 1, 2, 4, 8 and
+power-of-two groups) that load each byte once and each scale once per group. Every tile
+is ``code * scale + zero`` in fp32 (fp16 for fp16 queries), as
+:func:`kvpolicy.kernels.reference.dequantize`.
+
+Attending: :func:`query_sets` loads a program's query rows as the channel sets a rotation
+pairs, :func:`attend_keys` runs the online softmax of those rows over one range of a
+segment's keys (packed, or plain with 16-bit specs), :func:`store_split` writes the
+normalised output and log-sum-exp of one split, and :func:`merge_splits_kernel` merges
+the splits of every row like :func:`kvpolicy.kernels.reference.merge_partials_lse`.
 """
 
 from __future__ import annotations
@@ -15,7 +25,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["dequant_tile", "dequant_token_rows", "load_keys"]
+__all__ = [
+    "dequant_tile", "dequant_token_rows", "load_keys", "qk", "query_sets", "attend_keys",
+    "store_split", "merge_splits_kernel",
+]
 
 
 @triton.jit
@@ -191,3 +204,198 @@ def load_keys(
         if F16:
             x = x.to(tl.float16)
     return x
+
+
+@triton.jit
+def qk(q, k, DOT_F32: tl.constexpr):
+    """``q [M, C] @ k[N, C]^T`` in fp32 (IEEE) or in q's dtype with an fp32 accumulator."""
+    if DOT_F32:
+        return tl.dot(q, tl.trans(k), input_precision="ieee")
+    return tl.dot(q, tl.trans(k.to(q.dtype)))
+
+
+@triton.jit
+def query_sets(
+    q_ptr,  # queries (for the dtype of the placeholders)
+    q_row,  # [BLOCK_M] pointers to channel 0 of each query row
+    row_ok,  # [BLOCK_M] which rows exist
+    sq_d,  # channel stride of q
+    ROPE: tl.constexpr, ROT_DIM: tl.constexpr, DK: tl.constexpr,
+    DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """``(q_a, q_b, ch_a, ch_b, r_ok, q_p, ch_p, p_ok)``: a program's queries as the
+    channel sets that a rotation pairs (``i`` and ``i + r/2`` for rotate_half, ``2i`` and
+    ``2i+1`` for interleaved) and the pass-through channels ``>= r``, with their channel
+    indices and masks. A score is the sum of three dots over these sets, so every key
+    code is read once and no register shuffle is needed. Sets a head does not have are
+    zero placeholders (never read)."""
+    i_r = tl.arange(0, BLOCK_R)
+    r_ok = i_r < ROT_DIM // 2
+    if ROPE == 2:  # interleaved pairs channel 2i with 2i + 1
+        ch_a = 2 * i_r
+        ch_b = 2 * i_r + 1
+    else:  # rotate_half pairs channel i with i + r/2
+        ch_a = i_r
+        ch_b = i_r + ROT_DIM // 2
+    if ROPE != 0:
+        q_a = tl.load(q_row[:, None] + ch_a[None, :] * sq_d, row_ok[:, None] & r_ok[None, :], 0.0)
+        q_b = tl.load(q_row[:, None] + ch_b[None, :] * sq_d, row_ok[:, None] & r_ok[None, :], 0.0)
+    else:
+        q_a = tl.zeros([BLOCK_M, BLOCK_R], q_ptr.dtype.element_ty)
+        q_b = q_a
+    ch_p = ROT_DIM + tl.arange(0, BLOCK_P)
+    p_ok = ch_p < DK
+    if DK > ROT_DIM:
+        q_p = tl.load(q_row[:, None] + ch_p[None, :] * sq_d, row_ok[:, None] & p_ok[None, :], 0.0)
+    else:
+        q_p = tl.zeros([BLOCK_M, BLOCK_P], q_ptr.dtype.element_ty)
+    if DOT_F32:
+        q_a = q_a.to(tl.float32)
+        q_b = q_b.to(tl.float32)
+        q_p = q_p.to(tl.float32)
+    return q_a, q_b, ch_a, ch_b, r_ok, q_p, ch_p, p_ok
+
+
+@triton.jit
+def attend_keys(
+    m_i, l_i, acc,  # running max, sum and output of the rows (fp32), updated and returned
+    q_ptr,  # queries (for the dtype of the dots)
+    q_a, q_b, ch_a, ch_b, r_ok, q_p, ch_p, p_ok,  # query_sets of the rows
+    ch_v, v_ok,  # value channels [BLOCK_DV] and which exist
+    kc, ks, kz,  # keys of this (batch, kv head): codes (or plain), scale, zero
+    skc_0, skc_1, skc_2, sks_0, sks_1,  # their strides (see dequant_tile)
+    vc, vs, vz,  # values of this (batch, kv head)
+    svc_0, svc_1, svc_2, svs_0, svs_1,  # their strides
+    pos_row, sp_t,  # positions of this batch row's keys and their stride (ROPE != 0)
+    cos_ptr, sin_ptr, sr_p, sr_d,  # rotary tables and their strides (ROPE != 0)
+    mask_rows, sm_k,  # [BLOCK_M] pointers to each row's mask, key stride (HAS_MASK)
+    row_ok,  # [BLOCK_M] which rows exist
+    start, end,  # keys [start, end) of the segment
+    scale, softcap,
+    K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_CHANNEL: tl.constexpr,
+    K_FAST: tl.constexpr,
+    V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_CHANNEL: tl.constexpr,
+    V_FAST: tl.constexpr, DV: tl.constexpr,
+    ROPE: tl.constexpr, HAS_PASS: tl.constexpr, HAS_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, MATH_F16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Online softmax of a program's query rows over keys ``[start, end)`` of one segment.
+
+    Keys are dequantized (or, with 16-bit specs, loaded plain) tile by tile, rotated at
+    their own positions when stored pre-RoPE, scored as ``scale * q·k``, soft-capped in
+    fp32, masked, and folded into ``(m_i, l_i, acc)``. A row that sees only hidden keys
+    keeps ``m = -inf, l = 0``. Offsets inside one (batch, head) are int32 (the launchers
+    check the extent): int64 index tiles doubled the registers of every gathered tile.
+    """
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        tok_ok = tok < end
+        s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if ROPE != 0:
+            ok = tok_ok[:, None] & r_ok[None, :]
+            k_a = load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, end, tok,
+                            tok_ok, ch_a, r_ok, K_BITS, K_GROUP, K_CHANNEL, K_FAST, BLOCK_N,
+                            MATH_F16)
+            k_b = load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, end, tok,
+                            tok_ok, ch_b, r_ok, K_BITS, K_GROUP, K_CHANNEL, K_FAST, BLOCK_N,
+                            MATH_F16)
+            # Both channels of a pair turn by the same angle (RotarySpec's table layout),
+            # so one gather of the table at the first channel serves both.
+            pos = tl.load(pos_row + tok * sp_t, mask=tok_ok, other=0)
+            r_off = pos[:, None] * sr_p + ch_a[None, :] * sr_d
+            cos = tl.load(cos_ptr + r_off, mask=ok, other=0.0).to(k_a.dtype)
+            sin = tl.load(sin_ptr + r_off, mask=ok, other=0.0).to(k_a.dtype)
+            rot_a = k_a * cos - k_b * sin
+            rot_b = k_b * cos + k_a * sin
+            s += qk(q_a, rot_a, DOT_F32)
+            s += qk(q_b, rot_b, DOT_F32)
+        if HAS_PASS:
+            k_p = load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, end, tok,
+                            tok_ok, ch_p, p_ok, K_BITS, K_GROUP, K_CHANNEL, K_FAST, BLOCK_N,
+                            MATH_F16)
+            s += qk(q_p, k_p, DOT_F32)
+        s = s * scale
+        if SOFTCAP:
+            # tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1], in fp32: no
+            # overflow, +-1 where e underflows (tl has no tanh the interpreter also runs).
+            e = tl.exp(-2.0 * tl.abs(s) / softcap)
+            t = (1.0 - e) / (1.0 + e)
+            s = softcap * tl.where(s < 0.0, -t, t)
+        if HAS_MASK:
+            add = tl.load(mask_rows[:, None] + tok[None, :] * sm_k,
+                          mask=row_ok[:, None] & tok_ok[None, :], other=0.0)
+            s += add.to(tl.float32)
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if V_FAST:
+            v = dequant_token_rows(vc, vs, vz, svc_0, svc_1, svs_0, svs_1, tok, tok_ok,
+                                   V_BITS, V_GROUP, DV, MATH_F16)
+        else:
+            v = dequant_tile(vc, vs, vz, svc_0, svc_1, svc_2, svs_0, svs_1, tok, ch_v,
+                             tok_ok[:, None] & v_ok[None, :], V_BITS, V_GROUP, V_CHANNEL)
+        if DOT_F32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def store_split(
+    out_ptr,  # fp32 [R, S, DV] contiguous (R = B * Hq * Tq rows, S splits)
+    lse_ptr,  # fp32 [R, S]
+    row_out,  # [BLOCK_M] row * S + split of each query row
+    row_ok,  # [BLOCK_M] which rows exist
+    ch_v, v_ok,  # value channels and which exist
+    m_i, l_i, acc,  # the split's softmax state (attend_keys)
+    DV: tl.constexpr,
+):
+    """Write one split's normalised output and natural log-sum-exp; a row that saw no
+    key gets ``out = 0`` and ``lse = -inf`` (never NaN)."""
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = tl.where(seen, m_fin + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    tl.store(out_ptr + row_out[:, None] * DV + ch_v[None, :], out,
+             mask=row_ok[:, None] & v_ok[None, :])
+    tl.store(lse_ptr + row_out, lse, mask=row_ok)
+
+
+# The split count changes with the cache length: not specialised (no recompile when it
+# is 1 or a multiple of 16); BLOCK_S keys the compiled variants instead.
+@triton.jit(do_not_specialize=["n_splits"])
+def merge_splits_kernel(
+    part_ptr,  # per-split outputs fp32 [R, S, DV] contiguous (R = B * Hq * Tq)
+    plse_ptr,  # per-split log-sum-exp fp32 [R, S]
+    out_ptr,  # out fp32 [R, DV]
+    lse_ptr,  # out fp32 [R]
+    n_splits,  # S
+    DV: tl.constexpr,  # value head dim
+    BLOCK_S: tl.constexpr,  # next_power_of_2(S)
+    BLOCK_DV: tl.constexpr,  # next_power_of_2(DV)
+):
+    """One program per row: the softmax over the union of the splits' keys."""
+    row = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_DV)
+    s_ok = sp < n_splits
+    lse = tl.load(plse_ptr + row * n_splits + sp, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)  # 0 for empty splits
+    total = tl.sum(w, axis=0)
+    part = tl.load(part_ptr + (row * n_splits + sp[:, None]) * DV + d[None, :],
+                   mask=s_ok[:, None] & (d[None, :] < DV), other=0.0)
+    out = tl.sum(w[:, None] * part, axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + row * DV + d, out, mask=d < DV)
+    tl.store(lse_ptr + row, tl.where(total > 0.0, m + tl.log(tl.where(total > 0.0, total, 1.0)),
+                                     float("-inf")))
