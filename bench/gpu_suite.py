@@ -8,7 +8,8 @@ runs the same row functions at toy shapes so that the code paths are exercised w
 measured in the run, or the cell says it was not.
 
 Sections (the rows at 32K tokens and batch 8 run first: kernel, then the three caches; then
-the other kernel rows, the 16-bit check, the graph rows, and the other model rows by cost):
+the other kernel rows, the 16-bit check, the kernel captures, the other model rows by cost,
+and last the capture of a whole decode step):
 
 ``kernel``: one decode step of attention, Llama-3-8B shapes (32 query heads on 8 KV heads,
     head_dim 128), random fp16 K/V (four outlier key channels), one query token, at 4K / 32K /
@@ -1073,16 +1074,19 @@ def plan(ctx: Context, sections: tuple[str, ...]) -> list[Item]:
                           lambda emit: exactness_group(ctx, emit),
                           lambda: _model_guess(ctx, "kvpolicy", s.check_length, s.check_batch,
                                                runs=2)))
-    # The graph rows are cheap: before the long model rows, which may not fit.
+    # The kernel captures are cheap: before the long model rows, which may not fit. The
+    # capture of a whole decode step goes last: a capture that breaks mid-way is the likeliest
+    # thing here to leave the device in a state later rows would not survive.
     if "graph" in sections:
         items.append(Item("graph", s.graph_length, s.graph_batch, GRAPH_METHODS,
                           lambda emit: graph_group(ctx, emit), lambda: _kernel_guess(ctx)))
-        items.append(Item("graph", s.step_graph_length, 1, (STEP_GRAPH_METHOD,),
-                          lambda emit: step_graph_group(ctx, emit),
-                          lambda: _model_guess(ctx, "kvpolicy", s.step_graph_length, 1)))
     if "model" in sections:
         for t, b in models:
             items += model_items(t, b)
+    if "graph" in sections:
+        items.append(Item("graph", s.step_graph_length, 1, (STEP_GRAPH_METHOD,),
+                          lambda emit: step_graph_group(ctx, emit),
+                          lambda: _model_guess(ctx, "kvpolicy", s.step_graph_length, 1)))
     return items
 
 
