@@ -25,11 +25,13 @@ from .load import load_spec
 from .rules import (
     BUDGET_WIDTHS,
     FULL_PRECISION,
+    GROUP_CHOICES,
     SUPPORTED_BITS,
     Axis,
     TensorKind,
     is_budget,
     packed_bytes_per_element,
+    stored_bits,
 )
 from .schema import Calibration, LayerSensitivity, ModelPolicy, TensorPolicy
 from .spec import Defaults, OverrideRule, PolicySpec
@@ -38,6 +40,7 @@ from .yaml_io import list_presets
 __all__ = [
     "SUPPORTED_BITS",
     "BUDGET_WIDTHS",
+    "GROUP_CHOICES",
     "FULL_PRECISION",
     "Axis",
     "Calibration",
@@ -53,4 +56,5 @@ __all__ = [
     "build_policy",
     "is_budget",
     "packed_bytes_per_element",
+    "stored_bits",
 ]

@@ -21,10 +21,13 @@ from .messages import show
 from .rules import (
     BUDGET_WIDTHS,
     FULL_PRECISION,
+    GROUP_CHOICES,
     Axis,
     TensorKind,
+    byte_aligned,
     fallback_group_size,
-    is_budget,
+    join_or,
+    token_group_sizes,
 )
 from .schema import ModelPolicy, TensorPolicy
 from .spec import Defaults, PolicySpec
@@ -47,10 +50,45 @@ def _where(origin: int) -> str:
     return "defaults" if origin == _DEFAULTS else f"rule {origin + 1}"
 
 
-def _groups(axis: Axis, group_size: int) -> str:
+def _groups(axis: Axis, group_size: int, candidates: Sequence[int] = ()) -> str:
+    size = join_or(candidates) if candidates else str(group_size)
+    chosen = ", the size chosen with the width by the stored-bits budget" if candidates else ""
     if axis is Axis.CHANNEL:
-        return f"each channel gets its own scale (groups of {group_size} tokens)"
-    return f"each token gets its own scale (groups of {group_size} channels)"
+        return f"each channel gets its own scale (groups of {size} tokens{chosen})"
+    return f"each token gets its own scale (groups of {size} channels{chosen})"
+
+
+def _group_candidates(
+    setting: str | tuple[int, ...], axis: Axis, head_dim: int, bits: int, pinned: bool,
+    where: str, what: str,
+) -> tuple[int, tuple[int, ...], int | None]:
+    """``(group_size, candidates, fallback_from)`` for ``group_size: auto`` or a list under
+    a stored-bits budget: the candidates that fit the tensor (any groups tokens; only
+    divisors of head_dim group channels; at a width a rule pins, only byte-aligned ones),
+    the smallest as the starting size. None fit: for ``auto`` the fallback of a default
+    group (``fallback_from`` says from which), for a list an error."""
+    choices = GROUP_CHOICES if setting == "auto" else tuple(setting)
+    if bits == FULL_PRECISION:  # kept in full precision: no groups to choose
+        return choices[0], (), None
+    fit = [g for g in choices
+           if (axis is Axis.CHANNEL or head_dim % g == 0)
+           and (not pinned or byte_aligned(g, bits))]
+    if not fit:
+        smaller = fallback_group_size(choices[0], head_dim, bits)
+        if setting == "auto" and smaller is not None:
+            return smaller, (), choices[0]
+        why = []
+        if axis is Axis.TOKEN:
+            why.append(f"axis 'token' groups the channels of one token, so a group must "
+                       f"divide head_dim={head_dim}")
+        if pinned:
+            why.append(f"at the {bits} bits a rule sets, a group must fill whole bytes")
+        options = token_group_sizes(head_dim, bits) if axis is Axis.TOKEN else [8, 16, 32]
+        raise PolicyError(
+            f"{where}, field 'group_size': none of the group sizes {list(choices)} fits "
+            f"{what} ({'; '.join(why)}); add one of {options}"
+        )
+    return fit[0], tuple(fit) if len(fit) > 1 else (), None
 
 
 def _rope_text(facts: TensorFacts) -> tuple[str | None, str | None, int | None, str]:
@@ -83,15 +121,17 @@ def _reason(
     op = _CONSUMER[kind]
     summed = "channels" if facts.contracted is Contracted.CHANNEL else "tokens"
     axis, group_size = values["axis"], values["group_size"]
+    candidates = values.get("group_sizes", ())
     parts: list[str] = []
     if values["bits"] == FULL_PRECISION:
         parts.append(f"kept in full precision, so no scales or groups ({op} sums over {summed})")
     elif axis is derived_axis:
-        parts.append(f"{op} sums over {summed}, so {_groups(axis, group_size)}")
+        parts.append(f"{op} sums over {summed}, so {_groups(axis, group_size, candidates)}")
     else:
         parts.append(
             f"{op} sums over {summed}, so per-{derived_axis.value} scales were derived, but "
-            f"{_sets(origins['axis'])} axis {axis.value}: {_groups(axis, group_size)}"
+            f"{_sets(origins['axis'])} axis {axis.value}: "
+            f"{_groups(axis, group_size, candidates)}"
         )
     if kind is TensorKind.KEY:
         phrase = _rope_text(facts)[3]
@@ -170,11 +210,14 @@ def build_policy(
             raise PolicyError(f"{spec.source}, rule {i + 1}, field 'layers': {exc}") from None
 
     d = spec.defaults
+    stored = spec.budget_unit == "stored"
     # A budget's tensors start at the widest width within it; kvpolicy.calibrate.budget
     # reallocates.
     start_bits = (
-        max(w for w in BUDGET_WIDTHS if w <= d.bits) if is_budget(d.bits) else d.bits
+        max(w for w in BUDGET_WIDTHS if w <= spec.budget) if spec.budget is not None else d.bits
     )
+    # Under a stored-bits budget a group size nobody gave is chosen (spec.Defaults).
+    start_group = "auto" if stored and "group_size" not in d.model_fields_set else d.group_size
     tensors: list[TensorPolicy] = []
     all_origins: list[dict[str, int]] = []
     for lf in ordered:
@@ -185,7 +228,7 @@ def build_policy(
             has_rope = kind is TensorKind.KEY and tf.rope is not None and tf.rope.reapplicable
             values: dict[str, Any] = {
                 "bits": start_bits,
-                "group_size": d.group_size,
+                "group_size": start_group,
                 "residual": d.residual,
                 "sinks": d.sinks,
                 "axis": d.axis if d.axis is not None else derived_axis,
@@ -213,6 +256,18 @@ def build_policy(
                     "the rotation. Set pre_rope: false for these layers"
                 )
             fallback_from = None
+            if not isinstance(values["group_size"], int):
+                where = f"{spec.source}, {_where(origins['group_size'])}"
+                if not stored:
+                    raise PolicyError(
+                        f"{where}, field 'group_size': group_size {values['group_size']!r} "
+                        "is chosen per tensor by a stored-bits budget (under code bits a "
+                        "scale and a zero cost nothing, so the smallest group would always "
+                        "win); add defaults.stored_bits (e.g. 3.0) or give one group size"
+                    )
+                values["group_size"], values["group_sizes"], fallback_from = _group_candidates(
+                    values["group_size"], values["axis"], tf.head_dim, values["bits"],
+                    origins["bits"] >= 0, where, f"layer {lf.layer} {kind.value}")
             if (
                 values["axis"] is Axis.TOKEN
                 and values["bits"] < FULL_PRECISION

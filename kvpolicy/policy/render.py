@@ -95,12 +95,16 @@ def _footer(policy: Any) -> str:
     """Achieved average bits (against the budget, if any) and bytes per token vs fp16."""
     packed, fp16 = policy.bytes_per_token(), policy.fp16_bytes_per_token
     text = f"average {policy.avg_bits:.3f} code bits per cached element"
+    stored = policy.budget is not None and policy.budget_unit == "stored"
+    if stored:
+        text += f", {policy.avg_stored_bits():.3f} stored bits (scales and zeros counted)"
     if policy.budget is not None:
-        text += f" (budget {policy.budget:g}"
+        text += f" ({'stored-bits budget' if stored else 'budget'} {policy.budget:g}"
         if policy.calibration is not None:
             cal = policy.calibration
+            what = "widths and group sizes" if stored and cal.groups else "widths"
             text += (
-                f"; widths allocated from the {cal.metric} measured on {cal.source}, "
+                f"; {what} allocated from the {cal.metric} measured on {cal.source}, "
                 f"{cal.rows}x{cal.tokens} tokens"
             )
         text += ")"

@@ -23,6 +23,12 @@ from ..kernels.layout import FULL_PRECISION, SUPPORTED_BITS, byte_aligned
 # The widths a bit budget (a non-integer ``bits``) chooses from, one per tensor.
 BUDGET_WIDTHS: tuple[int, ...] = (1, 2, 3, 4, 8)
 
+# The group sizes a stored-bits budget chooses each tensor's group from (``group_size:
+# auto``), where they fit: any of them groups tokens (axis 'channel'), and those dividing
+# head_dim group channels (axis 'token'). Powers of two, which the kernels tile well;
+# their scale and zero cost 1, 0.5 and 0.25 bits per element in fp16.
+GROUP_CHOICES: tuple[int, ...] = (32, 64, 128)
+
 # kvpolicy's own defaults (docs/design.md §1–§2): KIVI's group size and residual window,
 # four sink tokens, keys quantized before RoPE wherever the key path has one.
 KVPOLICY_DEFAULTS: dict[str, Any] = {
@@ -105,6 +111,61 @@ def check_bits_or_budget(bits: int | float) -> int | float:
         "per element, spread over the tensors by measured sensitivity",
     )
     return bits
+
+
+def check_stored_budget(stored: Any) -> float:
+    """A stored-bits budget: a number in [1, 16], returned as a float (``3`` and ``3.0``
+    alike: a stored budget is always a budget, never a width)."""
+    if isinstance(stored, bool) or not isinstance(stored, (int, float)):
+        raise invalid(
+            "stored_bits",
+            f"stored_bits={stored!r} is not a number; give the average stored bits per "
+            "element, scales and zeros included, e.g. 3.0",
+        )
+    if not math.isfinite(stored) or not BUDGET_WIDTHS[0] <= stored <= FULL_PRECISION:
+        raise invalid(
+            "stored_bits",
+            f"a stored-bits budget of {stored} is outside [{BUDGET_WIDTHS[0]}, "
+            f"{FULL_PRECISION}]; give the average stored bits per element (codes plus a "
+            "scale and a zero per group), e.g. 3.0",
+        )
+    return float(stored)
+
+
+def check_group_setting(value: Any) -> int | str | tuple[int, ...]:
+    """A ``group_size`` setting: a positive int (fixed), ``"auto"`` (a stored-bits budget
+    chooses among :data:`GROUP_CHOICES`) or a list of candidates (it chooses among
+    those), returned sorted without repeats."""
+    choices = (
+        "an int such as 32, 'auto' (a stored-bits budget chooses among "
+        f"{list(GROUP_CHOICES)}) or a list of candidates such as [32, 64, 128]"
+    )
+    if isinstance(value, str):
+        if value.strip() == "auto":
+            return "auto"
+        raise invalid("group_size", f"group_size {value!r}: give {choices}")
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise invalid("group_size", f"the list of group sizes is empty; give {choices}")
+        if any(isinstance(g, bool) or not isinstance(g, int) or g <= 0 for g in value):
+            raise invalid(
+                "group_size", f"group sizes {list(value)}: every candidate must be an int "
+                "greater than 0"
+            )
+        return tuple(sorted(set(value)))
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid("group_size", f"group_size {value!r}: give {choices}")
+    if value <= 0:
+        raise invalid("group_size", f"group_size {value}: Input should be greater than 0")
+    return value
+
+
+def stored_bits(bits: int, group_size: int, scale_bits: int = 16) -> float:
+    """Bits one cached element takes once packed: its code plus its share of one scale and
+    one zero (``scale_bits`` each) per group of ``group_size``; 16 in full precision."""
+    if bits >= FULL_PRECISION:
+        return float(bits)
+    return bits + 2 * scale_bits / group_size
 
 
 def is_budget(bits: int | float) -> bool:

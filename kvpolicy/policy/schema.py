@@ -45,6 +45,7 @@ from .rules import (
     check_divides,
     invalid,
     packed_bytes_per_element,
+    stored_bits,
 )
 from .yaml_io import parse_yaml, text_or_file
 
@@ -63,6 +64,12 @@ class LayerSensitivity(Frozen):
     value: tuple[Union[float, None], ...]
     # For ``rotation: auto``: the value's errors once more with the Hadamard rotation.
     value_rotated: tuple[Union[float, None], ...] | None = None
+    # For a group size chosen by a stored-bits budget: ``key_groups[j][i]`` is the error at
+    # ``Calibration.groups[j]`` and ``Calibration.widths[i]`` (None: that pair does not fit
+    # the tensor); None where the tensor's group is fixed (``key`` / ``value`` then).
+    key_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
+    value_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
+    value_rotated_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
 
 
 class Calibration(Frozen):
@@ -77,8 +84,10 @@ class Calibration(Frozen):
     values through the weighted sum.
 
     ``settings`` fingerprints what the errors depend on besides the width (per tensor:
-    axis, group size, pre-RoPE, residual, sinks; see ``ModelPolicy.calibration_key``), so a
-    saved table is refused once those change.
+    axis, group size and the candidate group sizes, pre-RoPE, residual, sinks; see
+    ``ModelPolicy.calibration_key``), so a saved table is refused once those change.
+    ``groups``: the group sizes measured for tensors whose group a stored-bits budget
+    chooses (``LayerSensitivity.key_groups``); empty when every group is fixed.
     """
 
     metric: StrictStr = "loss-weighted attention-output error"
@@ -89,6 +98,7 @@ class Calibration(Frozen):
     seconds: float = Field(default=0.0, ge=0)
     settings: StrictStr
     widths: tuple[StrictInt, ...] = Field(min_length=1)
+    groups: tuple[StrictInt, ...] = ()
     layers: tuple[LayerSensitivity, ...] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -96,6 +106,8 @@ class Calibration(Frozen):
         for w in self.widths:
             if w not in BUDGET_WIDTHS:
                 raise invalid("widths", f"width {w} is not one of {BUDGET_WIDTHS}")
+        if list(self.groups) != sorted(set(self.groups)) or any(g <= 0 for g in self.groups):
+            raise invalid("groups", f"groups {list(self.groups)}: positive, increasing")
         for ls in self.layers:
             if len(ls.key) != len(self.widths) or len(ls.value) != len(self.widths):
                 raise invalid(
@@ -103,23 +115,46 @@ class Calibration(Frozen):
                     f"layer {ls.layer}: {len(ls.key)} key and {len(ls.value)} value errors for "
                     f"{len(self.widths)} widths",
                 )
+            for name in ("key_groups", "value_groups", "value_rotated_groups"):
+                table = getattr(ls, name)
+                if table is not None and (len(table) != len(self.groups) or any(
+                        len(row) != len(self.widths) for row in table)):
+                    raise invalid(
+                        "layers",
+                        f"layer {ls.layer}: {name} is not {len(self.groups)} groups x "
+                        f"{len(self.widths)} widths",
+                    )
         return self
 
-    def errors(self, layer: int, tensor: TensorKind | str,
-               rotated: bool = False) -> dict[int, float]:
-        """``{width: error}`` of one tensor, feasible widths only (``rotated``: the value's
-        errors with the Hadamard rotation, empty if not measured); KeyError if the layer
-        was not measured."""
-        kind = TensorKind(tensor)
+    def _layer(self, layer: int) -> LayerSensitivity:
         for ls in self.layers:
             if ls.layer == layer:
-                row = ls.key if kind is TensorKind.KEY else ls.value
-                if rotated:
-                    row = ls.value_rotated if kind is TensorKind.VALUE else None
-                    if row is None:
-                        return {}
-                return {w: e for w, e in zip(self.widths, row, strict=True) if e is not None}
+                return ls
         raise KeyError(f"layer {layer} is not in this calibration")
+
+    def errors(self, layer: int, tensor: TensorKind | str, rotated: bool = False,
+               group: int | None = None) -> dict[int, float]:
+        """``{width: error}`` of one tensor, feasible widths only (``rotated``: the value's
+        errors with the Hadamard rotation, empty if not measured; ``group``: at that
+        candidate group size, empty if not measured; None: at the policy's own group);
+        KeyError if the layer was not measured."""
+        kind = TensorKind(tensor)
+        ls = self._layer(layer)
+        if group is not None:
+            if kind is TensorKind.KEY:
+                table = None if rotated else ls.key_groups
+            else:
+                table = ls.value_rotated_groups if rotated else ls.value_groups
+            if table is None or group not in self.groups:
+                return {}
+            row = table[self.groups.index(group)]
+        else:
+            row = ls.key if kind is TensorKind.KEY else ls.value
+            if rotated:
+                row = ls.value_rotated if kind is TensorKind.VALUE else None
+                if row is None:
+                    return {}
+        return {w: e for w, e in zip(self.widths, row, strict=True) if e is not None}
 
 
 
@@ -152,6 +187,9 @@ class TensorPolicy(Frozen):
     # An orthogonal rotation of the head dim before quantization (kernels.rotation);
     # values only. "auto": chosen per tensor from the calibration of a bit budget.
     rotation: Literal["none", "hadamard", "auto"] = "none"
+    # The candidates a stored-bits budget chose ``group_size`` from (``group_size: auto``
+    # or a list); empty: the group size was fixed by the spec.
+    group_sizes: tuple[StrictInt, ...] = ()
     reason: StrictStr
 
     @field_validator("bits")
@@ -194,6 +232,17 @@ class TensorPolicy(Frozen):
                 )
         if self.derived_pre_rope and self.rope is None:
             raise invalid("derived_pre_rope", "derived_pre_rope is true but rope is null")
+        if self.group_sizes:
+            if list(self.group_sizes) != sorted(set(self.group_sizes)) or len(
+                    self.group_sizes) < 2 or self.group_size not in self.group_sizes:
+                raise invalid(
+                    "group_sizes",
+                    f"group_sizes {list(self.group_sizes)}: at least two increasing "
+                    f"candidates, among them group_size {self.group_size}",
+                )
+            if self.axis is Axis.TOKEN:
+                for g in self.group_sizes:
+                    check_divides(g, self.head_dim, self.bits)
         if self.bits < FULL_PRECISION:
             check_byte_aligned(self.group_size, self.bits)
             if self.axis is Axis.TOKEN:
@@ -225,6 +274,11 @@ class TensorPolicy(Frozen):
             self.bits, self.group_size, scale_bytes
         )
 
+    def stored_bits(self, scale_bytes: int = 2) -> float:
+        """Stored bits per packed element: ``bits + 2 * 8 * scale_bytes / group_size`` (the
+        code and its share of a scale and a zero), 16 in full precision."""
+        return stored_bits(self.bits, self.group_size, 8 * scale_bytes)
+
 
 class ModelPolicy(Frozen):
     """The policy of every cached tensor of a model, in layer order (key, then value)."""
@@ -233,9 +287,12 @@ class ModelPolicy(Frozen):
     model: StrictStr = ""
     source: StrictStr = ""  # the spec it was built from: preset name, file path or "<dict>"
     tensors: tuple[TensorPolicy, ...] = Field(min_length=1)
-    # A bit budget (average code bits per cached element) and the measured sensitivity it
-    # was allocated from; None for uniform widths.
+    # A bit budget and the measured sensitivity it was allocated from; None for uniform
+    # widths. ``budget_unit``: "code", average code bits per cached element (a float
+    # ``bits``), or "stored", average stored bits (``stored_bits``: scales and zeros
+    # counted; widths and group sizes allocated).
     budget: float | None = None
+    budget_unit: Literal["code", "stored"] = "code"
     calibration: Calibration | None = None
 
     @model_validator(mode="after")
@@ -299,6 +356,14 @@ class ModelPolicy(Frozen):
         ``TensorPolicy.bytes_per_token``)."""
         return sum(t.bytes_per_token(scale_bytes) for t in self.tensors)
 
+    def avg_stored_bits(self, scale_bytes: int = 2) -> float:
+        """Stored bits per packed element over all layers and both tensors (codes, scales
+        and zeros; 16 for full-precision tensors): what a ``stored_bits`` budget bounds.
+        The full-precision sink and residual windows are not counted."""
+        total = sum(t.elements_per_token for t in self.tensors)
+        return sum(t.stored_bits(scale_bytes) * t.elements_per_token
+                   for t in self.tensors) / total
+
     @property
     def fp16_bytes_per_token(self) -> int:
         """Bytes one token takes in an fp16 cache, for comparison."""
@@ -307,13 +372,16 @@ class ModelPolicy(Frozen):
     def calibration_key(self) -> str:
         """A fingerprint of everything a measured sensitivity depends on except the widths:
         the model name and, per tensor, layer, axis, group size, pre-RoPE, residual, sinks,
-        the rotation (when there is one), and whether a rule pins it at full precision
-        (the cache then packs the layer's other tensor token by token)."""
+        the rotation (when there is one), the candidate group sizes (when a stored-bits
+        budget chooses the group: the calibration measured each, on their common packing
+        schedule) and whether a rule pins it at full precision (the cache then packs the
+        layer's other tensor token by token)."""
         parts = [self.model] + [
             f"{t.layer}{t.tensor.value[0]}:{t.axis.value}:{t.group_size}:{int(t.pre_rope)}:"
             f"{t.residual}:{t.sinks}:{t.num_kv_heads}x{t.head_dim}"
             + (":fp" if t.pinned_full_precision else "")
             + (f":rot={t.rotation}" if t.rotation != "none" else "")
+            + (f":g={'/'.join(map(str, t.group_sizes))}" if t.group_sizes else "")
             for t in self.tensors
         ]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

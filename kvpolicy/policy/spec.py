@@ -32,6 +32,8 @@ from .rules import (
     check_bits,
     check_bits_or_budget,
     check_byte_aligned,
+    check_group_setting,
+    check_stored_budget,
     invalid,
     is_budget,
 )
@@ -40,6 +42,9 @@ from .schema import Calibration
 _SETTABLE = ("bits", "group_size", "axis", "pre_rope", "residual", "sinks", "rotation")
 
 LayerSelector = Union[StrictInt, StrictStr, tuple[Union[StrictInt, StrictStr], ...]]
+# A fixed group size, "auto" (a stored-bits budget chooses among rules.GROUP_CHOICES) or the
+# candidates it chooses among (rules.check_group_setting).
+GroupSetting = Union[StrictInt, Literal["auto"], tuple[StrictInt, ...]]
 
 
 def _parse_range(text: str) -> tuple[int, int] | None:
@@ -94,12 +99,23 @@ class Defaults(Frozen):
     divide head_dim, ``build_policy`` uses the largest byte-aligned divisor below it (a
     power of two or head_dim itself where one fits) and says so in the reason. A given one
     that does not divide is an error.
+
+    Two budgets, one at a time: a float ``bits`` counts code bits only (the group size
+    stays what the policy sets), ``stored_bits`` counts what the cache stores per element,
+    a scale and a zero per group included. Under ``stored_bits`` a ``group_size`` that was
+    not given is ``auto``: the allocator chooses each tensor's group among
+    ``rules.GROUP_CHOICES`` with its width, from the measured cost of each pair (a given
+    int stays fixed and is counted). A code-bits budget never chooses groups: its metadata
+    is free, so the smallest group would always win.
     """
 
     # A width from SUPPORTED_BITS, or a float budget: the average code bits per cached
     # element, spread over the tensors by measured sensitivity (kvpolicy.calibrate.budget).
     bits: Union[StrictInt, StrictFloat] = 2
-    group_size: StrictInt = Field(default=KVPOLICY_DEFAULTS["group_size"], gt=0)
+    # A budget of average *stored* bits per element (codes + a scale and a zero per group),
+    # widths and group sizes allocated by measured sensitivity; excludes a float ``bits``.
+    stored_bits: Union[StrictFloat, None] = None
+    group_size: GroupSetting = KVPOLICY_DEFAULTS["group_size"]
     residual: StrictInt = Field(default=KVPOLICY_DEFAULTS["residual"], ge=0)
     sinks: StrictInt = Field(default=KVPOLICY_DEFAULTS["sinks"], ge=0)
     # True means "pre-RoPE where RoPE exists": a layer without RoPE is not an error here.
@@ -110,7 +126,7 @@ class Defaults(Frozen):
     # An orthogonal rotation of the head dim before quantization (kernels.rotation). In
     # the defaults it applies to values only (keys' RoPE does not commute with it).
     # "auto": a bit budget's calibration measures both and keeps the rotation where it
-    # cuts the measured cost (calibrate.budget.ROTATION_GAIN).
+    # cuts the measured cost (calibrate.apply.ROTATION_GAIN).
     rotation: Literal["none", "hadamard", "auto"] = "none"
 
     @field_validator("bits")
@@ -118,11 +134,50 @@ class Defaults(Frozen):
     def _bits_supported(cls, bits: int | float) -> int | float:
         return check_bits_or_budget(bits)
 
+    @field_validator("stored_bits", mode="before")
+    @classmethod
+    def _stored_budget(cls, stored: Any) -> float | None:
+        return None if stored is None else check_stored_budget(stored)
+
+    @field_validator("group_size", mode="before")
+    @classmethod
+    def _group_setting(cls, value: Any) -> int | str | tuple[int, ...]:
+        return check_group_setting(value)
+
     @model_validator(mode="after")
     def _aligned(self) -> Defaults:
-        if not is_budget(self.bits):  # a budget's widths are checked per tensor
-            check_byte_aligned(self.group_size, self.bits)
+        if self.stored_bits is not None and is_budget(self.bits):
+            raise invalid(
+                "stored_bits",
+                f"bits {self.bits} is a budget of code bits and stored_bits "
+                f"{self.stored_bits:g} a budget of stored bits (codes plus scales and "
+                "zeros); give one of them: drop bits, or drop stored_bits",
+                "stored_bits",
+                "bits",
+            )
+        if not isinstance(self.group_size, int) and self.stored_bits is None:
+            raise invalid(
+                "group_size",
+                f"group_size {_show_group(self.group_size)} is chosen per tensor by a "
+                "stored-bits budget (under code bits a scale and a zero cost nothing, so "
+                "the smallest group would always win); add stored_bits: 3.0, or give one "
+                "group size such as 32",
+            )
+        if not is_budget(self.bits) and self.stored_bits is None:
+            # A budget's widths are checked per tensor.
+            check_byte_aligned(self.group_size, self.bits)  # type: ignore[arg-type]
         return self
+
+    @property
+    def budget_unit(self) -> Literal["code", "stored"] | None:
+        """Which budget: ``"code"`` (a float ``bits``), ``"stored"``, or None (widths)."""
+        if self.stored_bits is not None:
+            return "stored"
+        return "code" if is_budget(self.bits) else None
+
+
+def _show_group(value: Any) -> str:
+    return value if isinstance(value, str) else str(list(value))
 
 
 class OverrideRule(Frozen):
@@ -131,7 +186,8 @@ class OverrideRule(Frozen):
     layers: LayerSelector
     tensor: Literal["key", "value", "*"]
     bits: StrictInt | None = None
-    group_size: StrictInt | None = Field(default=None, gt=0)
+    # A fixed size, or "auto" / a list of candidates for a stored-bits budget to choose from.
+    group_size: GroupSetting | None = None
     axis: Axis | None = None
     pre_rope: StrictBool | None = None
     residual: StrictInt | None = Field(default=None, ge=0)
@@ -150,6 +206,11 @@ class OverrideRule(Frozen):
             check_bits(bits)
         return bits
 
+    @field_validator("group_size", mode="before")
+    @classmethod
+    def _group_setting(cls, value: Any) -> int | str | tuple[int, ...] | None:
+        return None if value is None else check_group_setting(value)
+
     @model_validator(mode="after")
     def _sets_something(self) -> OverrideRule:
         if not self.settings():
@@ -158,7 +219,7 @@ class OverrideRule(Frozen):
                 f"the rule selects layers and a tensor but sets nothing; set one of "
                 f"{', '.join(_SETTABLE)}",
             )
-        if self.bits is not None and self.group_size is not None:
+        if self.bits is not None and isinstance(self.group_size, int):
             check_byte_aligned(self.group_size, self.bits)
         return self
 
@@ -215,13 +276,27 @@ class PolicySpec(Frozen):
 
     @property
     def budget(self) -> float | None:
-        """The average-bit budget when ``defaults.bits`` is one, else None."""
+        """The budget, in the unit of :attr:`budget_unit`: a float ``defaults.bits`` (code
+        bits) or ``defaults.stored_bits``; None for widths."""
+        if self.defaults.stored_bits is not None:
+            return self.defaults.stored_bits
         return self.defaults.bits if is_budget(self.defaults.bits) else None
+
+    @property
+    def budget_unit(self) -> Literal["code", "stored"] | None:
+        """``"code"``: average code bits per element; ``"stored"``: average stored bits,
+        scales and zeros included; None without a budget."""
+        return self.defaults.budget_unit
 
     def to_yaml(self) -> str:
         """This spec as a policy file: the defaults that were given, the overrides, and the
         calibration if any (so that compiling from the file skips calibrating)."""
-        given = self.defaults.model_fields_set | {"bits"}
+        # Under stored_bits the widths are allocated: bits is only the start, left out.
+        given = set(self.defaults.model_fields_set)
+        if self.defaults.stored_bits is not None:
+            given = (given - {"bits"}) | {"stored_bits"}
+        else:
+            given |= {"bits"}
         defaults = self.defaults.model_dump(mode="json", include=given)
         doc: dict[str, Any] = {
             "version": self.version,
