@@ -17,7 +17,7 @@ from torch import nn
 
 from .analysis.analyse import analyse_model
 from .analysis.config import sliding_windows
-from .calibrate.budget import budget_policy
+from .calibrate.apply import budget_policy
 from .compiler import compile_blocks
 from .errors import KVPolicyError, PolicyError
 from .kernels.backend import check_name as check_backend
@@ -41,6 +41,7 @@ def derive_policy(
     calibration: Any = None,
     progress: bool = True,
     probe_kwargs: Callable[[Any], dict[str, Any]] | None = None,
+    stored_bits: float | None = None,
 ) -> ModelPolicy:
     """Derive the quantization policy of every cached tensor of ``model``.
 
@@ -59,6 +60,8 @@ def derive_policy(
         probe_kwargs: ``ids -> {keyword: value}`` passed to the analysis's probe forwards
             beside the token ids, for a model that takes its cached path only when given
             more (gpt-fast's ``input_pos``); see ``compile_model``.
+        stored_bits: a budget of average *stored* bits per cached element, scales and
+            zeros included (see ``compile_model``); excludes a float ``bits``.
 
     Returns:
         A ``ModelPolicy``: per layer, key then value, axis/bits/group/pre-RoPE/residual/
@@ -69,7 +72,7 @@ def derive_policy(
         PolicyError: the policy is invalid or does not fit the model.
         AnalysisError: the graph has no attention the analysis understands.
     """
-    spec = load_spec(policy, bits=bits)
+    spec = load_spec(policy, bits=bits, stored_bits=stored_bits)
     analysis = analyse_model(model, probe_kwargs)
     if spec.budget is not None and probe_kwargs is not None:
         raise KVPolicyError(
@@ -126,6 +129,7 @@ def compile_model(
     calibration: Any = None,
     progress: bool = True,
     probe_kwargs: Callable[[Any], dict[str, Any]] | None = None,
+    stored_bits: float | None = None,
 ) -> nn.Module:
     """Rewrite every attention block of ``model`` onto a packed, quantized KV cache.
 
@@ -149,6 +153,14 @@ def compile_model(
             decode loop (``model(ids, input_pos)``) then reads and writes a packed cache
             that stands in for the buffers, kept across calls (a call at position 0 starts
             a new sequence).
+        stored_bits: a budget of average *stored* bits per cached element instead of code
+            bits: codes plus a scale and a zero (fp16) per group, so 2-bit codes cost 3.0 in
+            groups of 32, 2.5 in groups of 64 and 2.25 in groups of 128. Widths and group
+            sizes are allocated together per tensor from measured costs (``group_size``
+            not given: each tensor's group is chosen among 32, 64 and 128 where they
+            fit). The policy YAML key is ``defaults: {stored_bits: 3.0}``. Give it or a
+            float ``bits``, not both. The full-precision sink and residual windows are
+            counted by neither budget.
 
     Returns:
         The same model object, compiled: ``model.generate`` and manual decode loops work
@@ -170,7 +182,7 @@ def compile_model(
             "of the original model to change the policy"
         )
     check_backend(backend)
-    spec = load_spec(policy, bits=bits)
+    spec = load_spec(policy, bits=bits, stored_bits=stored_bits)
     pol = derive_policy(model, bits=bits, policy=spec, calibration=calibration,
                         progress=progress, probe_kwargs=probe_kwargs)
     analysis = analyse_model(model, probe_kwargs)

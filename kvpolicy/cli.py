@@ -1,5 +1,5 @@
-"""Command line: ``kvpolicy inspect --model smollm2-135m [--bits 2] [--policy FILE]
-[--calibration FILE]``, ``kvpolicy eval ...``, ``kvpolicy presets``."""
+"""Command line: ``kvpolicy inspect --model smollm2-135m [--bits 2 | --stored-bits 3.0]
+[--policy FILE] [--calibration FILE]``, ``kvpolicy eval ...``, ``kvpolicy presets``."""
 
 from __future__ import annotations
 
@@ -41,6 +41,19 @@ def _bits(text: str) -> int | float:
     return bits
 
 
+def _stored_bits(text: str) -> float:
+    """``--stored-bits``: a budget of average stored bits per element (codes plus a scale
+    and a zero per group), between 1 and 16; ``3`` and ``3.0`` alike."""
+    try:
+        stored = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of stored bits (e.g. 3.0)") from None
+    if not 1 <= stored <= 16:
+        raise argparse.ArgumentTypeError(f"a stored-bits budget of {stored} is outside [1, 16]")
+    return stored
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpolicy",
@@ -65,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
         help="code bits when no --policy is given: the kvpolicy-BITS defaults (default 2); "
         "a float such as 2.5 is a budget, allocated per tensor from measured sensitivity",
+    )
+    inspect.add_argument(
+        "--stored-bits",
+        type=_stored_bits,
+        default=None,
+        metavar="BITS",
+        help="a budget of average stored bits per element, scales and zeros included "
+        "(3.0: e.g. 2-bit codes in groups of 32 or 2.5 in groups of 64): widths and group "
+        "sizes allocated per tensor from measured sensitivity; instead of a float --bits",
     )
     inspect.add_argument(
         "--policy",
@@ -144,19 +166,20 @@ def load_model(name: str) -> Any:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {}
+    budget = dict(bits=args.bits, stored_bits=args.stored_bits)
     if args.calibration is not None:
-        if load_spec(args.policy, bits=args.bits).budget is None:
+        if load_spec(args.policy, **budget).budget is None:
             given = f"--bits {args.bits}" + (f" with --policy {args.policy}" if args.policy
                                              else "")
             raise KVPolicyError(
                 f"--calibration is only for a bit budget, and {given} sets fixed widths; "
-                "give a budget (a float such as --bits 2.5, or a --policy whose "
-                "defaults.bits is a float) or leave out --calibration"
+                "give a budget (a float such as --bits 2.5, --stored-bits 3.0, or a "
+                "--policy whose defaults.bits is a float) or leave out --calibration"
             )
     model = load_model(args.model)
     if args.calibration is not None:
         extra["calibration"] = calibration_ids_from_file(model, args.calibration)
-    policy = api.derive_policy(model, bits=args.bits, policy=args.policy, **extra)
+    policy = api.derive_policy(model, policy=args.policy, **budget, **extra)
     if args.save:
         path = api.save_policy(model, args.save)
         print(f"policy file written to {path}", file=sys.stderr)

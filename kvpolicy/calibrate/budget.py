@@ -20,20 +20,36 @@ average code bits per cached element over all layers and both tensors. Three ste
     to keys there lowers perplexity; the value noise lands in directions the rest of the
     model barely reads. Weighted by the loss gradient, the same budget scores a lower
     perplexity (README, "Bit budgets", has the measurement).
-``allocate(errors, sizes, budget)``
+``allocate(errors, sizes, budget)`` (:mod:`kvpolicy.calibrate.allocate`)
     Exact minimum of the summed error subject to the budget: a multiple-choice knapsack
     solved by dynamic programming over the budget in units of the smallest tensor size.
-``apply_budget(policy, calibration)``
+``apply_budget(policy, calibration)`` (:mod:`kvpolicy.calibrate.apply`)
     Writes the widths into the policy; each reason quotes the measured errors.
 
 Tensors whose ``bits`` an override rule sets are pinned: they keep their width, count
 against the budget, and the rest of it is spread over the other tensors.
+
+A *stored-bits* budget (``compile_model(model, stored_bits=3.0)``, YAML
+``defaults: {stored_bits: 3.0}``) counts what the packed cache stores per element: the code
+plus a scale and a zero per group (fp16; ``2 + 32/32 = 3`` bits for 2-bit codes in groups
+of 32, ``2.5`` in groups of 64, ``2.25`` in groups of 128). There the group size is a choice
+too (``group_size: auto``, the default under ``stored_bits``: ``GROUP_CHOICES`` where they
+fit): the calibration measures every (width, group) pair of such a tensor, and the
+allocator chooses one pair per tensor (``allocate_stored``). A code-bits budget
+(``bits=2.5``) keeps the policy's group size and measures only it, as before.
+
+The sink and residual windows are full precision in both counts and not counted: the
+budget is over the packed body, whose size per token is what grows with the context.
 
 Decode-time cache schedule modelled by the calibration
 (:class:`kvpolicy.runtime.layer.PackedKVLayer`): the query
 at position ``i`` reads the tokens ``[sinks, sinks + p(i))`` quantized, where ``p(i)`` is
 the number of tokens packed once ``i + 1`` tokens have arrived (whole chunks leave the
 residual window once it holds ``residual + chunk``); everything else it reads exactly.
+Where group sizes are candidates, the chunk is the lcm of all the candidates' token groups,
+so that every candidate is measured on the same quantized tokens: a comparison of groups,
+not of how soon each would pack (the up to ``chunk - 1`` extra tokens that a larger key
+group keeps in the residual window are neither counted nor measured).
 """
 
 from __future__ import annotations
@@ -41,7 +57,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +65,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..errors import KVPolicyError, PolicyError
+from ..errors import KVPolicyError
 from ..kernels import reference
 from ..kernels.layout import QuantSpec
 from ..kernels.masks import causal_mask
@@ -59,15 +75,14 @@ from ..policy import (
     Calibration,
     LayerSensitivity,
     ModelPolicy,
-    PolicySpec,
     TensorPolicy,
 )
 from ..zoo.text import pydoc_tokens
+from .allocate import allocate
 from .capture import LayerActivations, capture_activations
 from .metrics import attention_scores, expand_heads, relative_error, roundtrip
 
 __all__ = [
-    "ROTATION_GAIN",
     "CALIBRATION_TOKENS",
     "CALIBRATION_METRICS",
     "calibrate",
@@ -75,8 +90,7 @@ __all__ = [
     "calibration_ids",
     "calibration_ids_from_file",
     "allocate",
-    "apply_budget",
-    "budget_policy",
+    "scale_dtype",
 ]
 
 log = logging.getLogger(__name__)
@@ -246,36 +260,60 @@ CALIBRATION_METRICS = {
 """
 
 
-def _token_group(t: TensorPolicy) -> int:
-    """``QuantSpec.token_group`` of ``t`` in the cache the budget builds: one token at a time
-    where a rule pins it at full precision; every allocated width quantizes."""
-    bits = 16 if t.pinned_full_precision else min(BUDGET_WIDTHS)
-    return QuantSpec(bits, t.group_size, t.axis.value).token_group
+def _token_group(t: TensorPolicy, group_size: int) -> int:
+    """``QuantSpec.token_group`` of ``t`` at ``group_size`` in the cache the budget builds:
+    one token at a time where a rule pins it at full precision (every allocated width
+    quantizes), else the group along tokens of axis 'channel'."""
+    quantized = not t.pinned_full_precision
+    return group_size if quantized and t.axis.value == "channel" else 1
 
 
-def _fits(t: TensorPolicy, width: int) -> bool:
-    return (t.group_size * width) % 8 == 0
+def _fits(width: int, group_size: int) -> bool:
+    return (group_size * width) % 8 == 0
+
+
+def _candidates(t: TensorPolicy) -> tuple[int, ...]:
+    """The group sizes measured for ``t``: its candidates, or its one group size."""
+    return t.group_sizes or (t.group_size,)
+
+
+Rows = dict[int, list["float | None"]]  # {group size: [error per width]}
 
 
 @torch.no_grad()
 def _layer_errors(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy, widths: Sequence[int],
                   store: torch.dtype, metric: str = "fisher"
                   ) -> tuple[list[float | None], list[float | None], list[float | None] | None]:
-    """``(key errors, value errors, value errors rotated)`` per width; the last only for
-    ``rotation: auto`` (the value's ``rotation`` otherwise applies to ``value errors``)."""
+    """``(key errors, value errors, value errors rotated)`` per width at each tensor's own
+    group size; the last only for ``rotation: auto`` (the value's ``rotation`` otherwise
+    applies to ``value errors``)."""
+    keys, values, rotated = _layer_errors_by_group(act, kp, vp, widths, store, metric)
+    turned = None if rotated is None else rotated[vp.group_size]
+    return keys[kp.group_size], values[vp.group_size], turned
+
+
+@torch.no_grad()
+def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy,
+                           widths: Sequence[int], store: torch.dtype, metric: str = "fisher"
+                           ) -> tuple[Rows, Rows, Rows | None]:
+    """``(key, value, value rotated)`` errors ``{group size: [error per width]}`` over each
+    tensor's candidate group sizes (:func:`_candidates`), all on one packing schedule."""
     q, k, v = act.query, act.key, act.value
     if metric == "fisher" and act.out_grad is None:
         raise ValueError("the fisher metric needs activations captured with loss_grad=True")
     b, hq, t, _ = q.shape
     sinks, residual = kp.sinks, kp.residual
-    chunk = math.lcm(_token_group(kp), _token_group(vp))
+    key_groups, value_groups = _candidates(kp), _candidates(vp)
+    chunk = math.lcm(*(_token_group(kp, g) for g in key_groups),
+                     *(_token_group(vp, g) for g in value_groups))
     p = _packed_counts(t, sinks, residual, chunk).to(q.device)
     n_packed = int(p[-1])
     if n_packed == 0:
+        what = " (the lcm of the candidate group sizes)" if kp.group_sizes or vp.group_sizes else ""
         raise KVPolicyError(
             f"layer {act.layer}: {t} calibration tokens never leave the full-precision windows "
-            f"(sinks {sinks} + residual {residual} + a chunk of {chunk}); calibrate on at "
-            f"least {sinks + residual + chunk} tokens"
+            f"(sinks {sinks} + residual {residual} + a chunk of {chunk}{what}); calibrate on "
+            f"at least {sinks + residual + chunk} tokens"
         )
     rows = p > 0
     j = torch.arange(t, device=q.device)
@@ -296,13 +334,24 @@ def _layer_errors(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy, wid
     pre_rope = kp.pre_rope and act.cos is not None
     if pre_rope:
         rope, positions = act.rotary(t)
-    key_errs: list[float | None] = []
-    value_errs: list[float | None] = []
-    rotated_errs: list[float | None] | None = [] if vp.rotation == "auto" else None
+    key_errs: Rows = {g: [] for g in key_groups}
+    value_errs: Rows = {g: [] for g in value_groups}
+    rotated_errs: Rows | None = {g: [] for g in value_groups} if vp.rotation == "auto" else None
     rotations = ("none", "hadamard") if vp.rotation == "auto" else (vp.rotation,)
 
-    def value_error(w: int, rotation: str) -> float:
-        spec = QuantSpec(w, vp.group_size, vp.axis.value)
+    def key_error(w: int, g: int) -> float:
+        stored = act.key_pre if pre_rope else k
+        k_seg = roundtrip(stored[:, :, seg].contiguous(), QuantSpec(w, g, kp.axis.value), store)
+        if pre_rope:
+            k_seg = reference.apply_rope(k_seg, positions[:, seg], rope)
+        k_hat = k.clone()
+        k_hat[:, :, seg] = k_seg
+        s_hat = attention_scores(q, k_hat, act.scale)
+        s_mix = torch.where(quantized, s_hat, scores) + mask
+        return error(torch.matmul(torch.softmax(s_mix, dim=-1), v_heads))
+
+    def value_error(w: int, g: int, rotation: str) -> float:
+        spec = QuantSpec(w, g, vp.axis.value)
         rot = rotation_matrix(rotation, v.shape[-1], v.device)
         if rot is None:
             v_seg = roundtrip(v[:, :, seg].contiguous(), spec, store)
@@ -313,25 +362,31 @@ def _layer_errors(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy, wid
         return error(out + torch.matmul(probs * quantized, expand_heads(dv, hq)))
 
     for w in widths:
-        if not _fits(kp, w) or kp.pinned_full_precision:
-            key_errs.append(None)
-        else:
-            stored = act.key_pre if pre_rope else k
-            k_seg = roundtrip(stored[:, :, seg].contiguous(),
-                              QuantSpec(w, kp.group_size, kp.axis.value), store)
-            if pre_rope:
-                k_seg = reference.apply_rope(k_seg, positions[:, seg], rope)
-            k_hat = k.clone()
-            k_hat[:, :, seg] = k_seg
-            s_hat = attention_scores(q, k_hat, act.scale)
-            s_mix = torch.where(quantized, s_hat, scores) + mask
-            out_k = torch.matmul(torch.softmax(s_mix, dim=-1), v_heads)
-            key_errs.append(error(out_k))
-        fits = _fits(vp, w) and not vp.pinned_full_precision
-        value_errs.append(value_error(w, rotations[0]) if fits else None)
-        if rotated_errs is not None:
-            rotated_errs.append(value_error(w, rotations[1]) if fits else None)
+        for g in key_groups:
+            fits = _fits(w, g) and not kp.pinned_full_precision
+            key_errs[g].append(key_error(w, g) if fits else None)
+        for g in value_groups:
+            fits = _fits(w, g) and not vp.pinned_full_precision
+            value_errs[g].append(value_error(w, g, rotations[0]) if fits else None)
+            if rotated_errs is not None:
+                rotated_errs[g].append(value_error(w, g, rotations[1]) if fits else None)
     return key_errs, value_errs, rotated_errs
+
+
+def _group_table(rows: Rows | None, t: TensorPolicy, groups: Sequence[int], n: int
+                 ) -> tuple[tuple[float | None, ...], ...] | None:
+    """``rows`` laid out over the calibration's ``groups`` (a row of None where a group is
+    not a candidate of ``t``); None where ``t``'s group is fixed."""
+    if rows is None or not t.group_sizes:
+        return None
+    return tuple(tuple(rows[g]) if g in rows else (None,) * n for g in groups)
+
+
+def scale_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype scales and zeros are stored in (``runtime.cache.storage_dtype``): fp16 for
+    fp32 models, the model's own otherwise."""
+    dtype = next((p.dtype for p in model.parameters()), torch.float32)
+    return torch.float16 if dtype == torch.float32 else dtype
 
 
 def calibrate(
@@ -350,7 +405,8 @@ def calibrate(
         model: the uncompiled model (its attention must call SDPA; see
             :mod:`kvpolicy.calibrate.capture`).
         policy: axes, group sizes, pre-RoPE, sinks and residual of every tensor (bits are
-            ignored: every width of ``widths`` is measured).
+            ignored: every width of ``widths`` is measured; where a tensor has candidate
+            ``group_sizes``, every width at every candidate).
         input_ids: ``[B, T]`` calibration token ids; default :func:`calibration_ids`.
         tokenizer: for the default text when the model has none saved beside it.
         widths: candidate widths, a subset of ``BUDGET_WIDTHS``.
@@ -381,214 +437,31 @@ def calibrate(
     if bad or not widths:
         raise KVPolicyError(f"widths {list(widths)}: choose from {BUDGET_WIDTHS}")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    dtype = next((p.dtype for p in model.parameters()), torch.float32)
-    # The dtype scales and zeros are stored in (runtime.cache.storage_dtype): fp16 for fp32
-    # models, the model's own otherwise.
-    store = torch.float16 if dtype == torch.float32 else dtype
+    store = scale_dtype(model)
+    groups = tuple(sorted({g for t in policy.tensors for g in t.group_sizes}))
     acts = capture_activations(model, input_ids.to(device), loss_grad=metric == "fisher")
     layers = []
     for act in tqdm(acts, desc="calibrating", unit="layer", disable=not progress):
-        ke, ve, vr = _layer_errors(act, policy.get(act.layer, "key"),
-                                   policy.get(act.layer, "value"), widths, store, metric)
-        layers.append(LayerSensitivity(layer=act.layer, key=tuple(ke), value=tuple(ve),
-                                       value_rotated=None if vr is None else tuple(vr)))
+        kp, vp = policy.get(act.layer, "key"), policy.get(act.layer, "value")
+        ke, ve, vr = _layer_errors_by_group(act, kp, vp, widths, store, metric)
+        n = len(widths)
+        layers.append(LayerSensitivity(
+            layer=act.layer, key=tuple(ke[kp.group_size]), value=tuple(ve[vp.group_size]),
+            value_rotated=None if vr is None else tuple(vr[vp.group_size]),
+            key_groups=_group_table(ke, kp, groups, n),
+            value_groups=_group_table(ve, vp, groups, n),
+            value_rotated_groups=_group_table(vr, vp, groups, n),
+        ))
         act.query = act.key = act.key_pre = act.value = act.out_grad = None  # type: ignore
     cal = Calibration(
         metric=CALIBRATION_METRICS[metric], model=policy.model, source=source,
         tokens=int(input_ids.shape[1]), rows=int(input_ids.shape[0]),
         seconds=round(time.perf_counter() - start, 3),
-        settings=policy.calibration_key(), widths=widths, layers=tuple(layers),
+        settings=policy.calibration_key(), widths=widths, groups=groups, layers=tuple(layers),
     )
-    log.info("calibrated %d layers x %d widths in %.1f s", len(layers), len(widths),
-             cal.seconds)
+    log.info("calibrated %d layers x %d widths x %d groups in %.1f s", len(layers),
+             len(widths), max(len(groups), 1), cal.seconds)
     return cal
-
-
-# --------------------------------------------------------------------------- allocate
-
-
-def allocate(
-    errors: Sequence[Mapping[int, float]],
-    sizes: Sequence[int],
-    budget: float,
-    pinned: Mapping[int, int] | None = None,
-) -> list[int]:
-    """Choose one width per tensor: smallest summed error with the budget held.
-
-    Args:
-        errors: per tensor, ``{width: error}`` over its feasible widths.
-        sizes: per tensor, elements per token (the weight of its width in the average).
-        budget: the average code bits per element, over all tensors (pinned included).
-        pinned: ``{tensor index: width}`` fixed beforehand; their errors are not needed.
-
-    Returns:
-        The width of every tensor (pinned ones as given). Exact: dynamic programming over
-        the budget in units of the gcd of the free tensors' sizes; ties go to the narrower
-        width of the earlier tensor, so the result is deterministic.
-
-    Raises:
-        PolicyError: the budget cannot hold even the narrowest feasible widths.
-    """
-    pinned = dict(pinned or {})
-    if len(errors) != len(sizes):
-        raise ValueError(f"{len(errors)} error tables for {len(sizes)} sizes")
-    total = sum(sizes)
-    # 1e-9: a budget like 2.3 times the total size must not lose a unit to rounding.
-    capacity_bits = budget * total - sum(w * sizes[i] for i, w in pinned.items()) + 1e-9
-    free = [i for i in range(len(sizes)) if i not in pinned]
-    out = [pinned.get(i, 0) for i in range(len(sizes))]
-    if not free:
-        if capacity_bits < 0:
-            raise PolicyError(_over_budget(budget, pinned, sizes, total))
-        return out
-    for i in free:
-        if not errors[i]:
-            raise PolicyError(f"tensor {i} has no feasible width to allocate")
-    unit = math.gcd(*(sizes[i] for i in free))
-    capacity = math.floor(capacity_bits / unit)
-    need = sum(min(errors[i]) * sizes[i] // unit for i in free)
-    if capacity < need:
-        raise PolicyError(_over_budget(budget, pinned, sizes, total, need * unit))
-    inf = float("inf")
-    # best[c]: least error of the tensors so far using exactly c units; choice per tensor.
-    best = [inf] * (capacity + 1)
-    best[0] = 0.0
-    choices: list[list[int]] = []
-    for i in free:
-        u = sizes[i] // unit
-        nxt = [inf] * (capacity + 1)
-        pick = [0] * (capacity + 1)
-        options = sorted(errors[i].items())
-        for c in range(capacity + 1):
-            if best[c] == inf:
-                continue
-            for w, e in options:
-                c2 = c + w * u
-                if c2 > capacity:
-                    break
-                if best[c] + e < nxt[c2]:
-                    nxt[c2], pick[c2] = best[c] + e, w
-        best = nxt
-        choices.append(pick)
-    c = min(range(capacity + 1), key=lambda c: (best[c], c))
-    for k in range(len(free) - 1, -1, -1):
-        i = free[k]
-        w = choices[k][c]
-        out[i] = w
-        c -= w * (sizes[i] // unit)
-    return out
-
-
-def _over_budget(budget: float, pinned: Mapping[int, int], sizes: Sequence[int], total: int,
-                 need_free: int = 0) -> str:
-    pinned_bits = sum(w * sizes[i] for i, w in pinned.items())
-    least = (pinned_bits + need_free) / total
-    what = f" ({len(pinned)} pinned tensors take {pinned_bits / total:.2f} of it)" if pinned else ""
-    return (
-        f"a budget of {budget:g} bits per element cannot be met{what}: the narrowest widths "
-        f"need {least:.3f}; raise the budget to at least {least:.3f} or pin fewer tensors "
-        "to wide widths"
-    )
-
-
-def _fmt(e: float) -> str:
-    return f"{e:.1e}"
-
-
-# rotation: auto rotates a value when the rotation cuts its measured cost at the allocated
-# width below this share of the plain cost: a rotation costs a [D, D] matmul of the values
-# appended and of the attention output per step, so a tie keeps the plain cache.
-ROTATION_GAIN = 0.95
-
-
-def _rotate(plain: float | None, turned: float | None) -> bool:
-    return plain is not None and turned is not None and turned < ROTATION_GAIN * plain
-
-
-def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float) -> ModelPolicy:
-    """``policy`` with every tensor not pinned by a rule at the width :func:`allocate`
-    gives it; reasons quote the measured errors, the result records budget and calibration.
-
-    Raises:
-        PolicyError: the calibration was measured with other settings, or the budget
-            cannot be met.
-    """
-    if calibration.settings != policy.calibration_key():
-        raise PolicyError(
-            f"the calibration (measured on {calibration.source}) was taken with other "
-            "settings than this policy's (axis, group size, pre-RoPE, residual or sinks of "
-            "some tensor, or another model); delete the 'calibration' block of the policy "
-            "file so that compile_model measures it again"
-        )
-    tensors = policy.tensors
-    errors, rotated, pinned = [], [], {}
-    for i, t in enumerate(tensors):
-        rotated.append({})
-        if t.bits_from == "rule":
-            pinned[i] = t.bits
-            errors.append({})
-            continue
-        errors.append(calibration.errors(t.layer, t.tensor))
-        if t.rotation == "auto":
-            rotated[i] = calibration.errors(t.layer, t.tensor, rotated=True)
-            if not rotated[i]:
-                raise PolicyError(
-                    f"layer {t.layer} {t.tensor.value}: rotation: auto, but the calibration "
-                    "has no rotated errors; delete the 'calibration' block so that "
-                    "compile_model measures it again"
-                )
-    # rotation: auto takes, at each width, the cheaper of the two (by ROTATION_GAIN).
-    costs = [{w: rotated[i][w] if _rotate(e, rotated[i].get(w)) else e
-              for w, e in errs.items()} for i, errs in enumerate(errors)]
-    sizes = [t.elements_per_token for t in tensors]
-    widths = allocate(costs, sizes, budget, pinned)
-    out = []
-    for i, (t, w) in enumerate(zip(tensors, widths, strict=True)):
-        data = t.model_dump()
-        if i in pinned:
-            reason = f"{t.reason}; pinned by the rule, counted against the budget {budget:g}"
-        else:
-            measured = " · ".join(f"{x} b {_fmt(e)}" for x, e in sorted(errors[i].items()))
-            reason = (
-                f"{t.reason}; budget {budget:g}: {w} bit{'s' if w > 1 else ''}, from the "
-                f"measured {calibration.metric} of quantizing this tensor alone ({measured})"
-            )
-        if t.rotation == "auto":
-            plain, turned = errors[i].get(w), rotated[i].get(w)
-            data["rotation"] = "hadamard" if _rotate(plain, turned) else "none"
-            reason += (
-                f"; rotation: auto chose {data['rotation']} (at {w} bits "
-                f"{_fmt(turned) if turned is not None else '-'} rotated against "
-                f"{_fmt(plain) if plain is not None else '-'} plain; rotated when it costs "
-                f"under {ROTATION_GAIN:g}x)"
-            )
-        data.update(bits=w, reason=reason, bits_from="rule" if i in pinned else "budget")
-        out.append(TensorPolicy.model_validate(data))
-    return policy.model_copy(update={
-        "tensors": tuple(out), "budget": budget, "calibration": calibration,
-    })
-
-
-def budget_policy(
-    model: nn.Module,
-    base: ModelPolicy,
-    spec: PolicySpec,
-    calibration: Calibration | torch.Tensor | Any = None,
-    progress: bool = True,
-) -> tuple[ModelPolicy, Calibration]:
-    """Allocate ``spec.budget`` over ``base`` (built from ``spec``): from ``calibration``
-    (a :class:`Calibration`, token ids or a tokenizer), else ``spec.calibration``, else a
-    fresh :func:`calibrate` on the default text."""
-    budget = spec.budget
-    if budget is None:
-        raise ValueError("budget_policy needs a spec whose defaults.bits is a budget")
-    if isinstance(calibration, Calibration):
-        cal = calibration
-    elif spec.calibration is not None and calibration is None:
-        cal = spec.calibration
-    else:
-        cal = calibrate_on(model, base, calibration, progress=progress)
-    return apply_budget(base, cal, budget), cal
 
 
 def calibrate_on(model: nn.Module, policy: ModelPolicy, source: torch.Tensor | Any = None,

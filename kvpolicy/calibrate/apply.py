@@ -1,0 +1,249 @@
+"""Writing an allocated budget into a policy: widths, group sizes, rotations and reasons.
+
+``apply_budget(policy, calibration, budget)`` reads each tensor's measured costs from the
+calibration (:mod:`kvpolicy.calibrate.budget`), lets the allocator
+(:mod:`kvpolicy.calibrate.allocate`) choose, and writes every choice with the numbers
+behind it into the tensor's reason, so that ``kvpolicy inspect`` can explain it:
+
+- a code-bits budget (``bits=2.5``): one width per tensor at the policy's group size;
+- a stored-bits budget (``stored_bits=3.0``): one ``(width, group size)`` per tensor, the
+  reason quoting the stored bits of the choice and the measured cost of each candidate
+  group at the chosen width ("2 bits, group 64: 2.50 stored bits per element; ... at 2
+  bits: group 32 9.0e-05 (3.00) · group 64 1.2e-04 (2.50) · group 128 3.1e-04 (2.25)");
+- ``rotation: auto``: at the chosen option, the rotated and the plain cost.
+
+``budget_policy`` is the way in from ``derive_policy``: it finds or measures the
+calibration and applies the spec's budget.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ..errors import PolicyError
+from ..policy import Calibration, ModelPolicy, PolicySpec, TensorPolicy, stored_bits
+from . import budget as measure
+from .allocate import allocate, allocate_stored
+
+__all__ = ["ROTATION_GAIN", "apply_budget", "budget_policy"]
+
+# rotation: auto rotates a value when the rotation cuts its measured cost at the allocated
+# width below this share of the plain cost: a rotation costs a [D, D] matmul of the values
+# appended and of the attention output per step, so a tie keeps the plain cache.
+ROTATION_GAIN = 0.95
+
+
+def _fmt(e: float) -> str:
+    return f"{e:.1e}"
+
+
+def _bits(w: int) -> str:
+    return f"{w} bit{'s' if w > 1 else ''}"
+
+
+def _rotate(plain: float | None, turned: float | None) -> bool:
+    return plain is not None and turned is not None and turned < ROTATION_GAIN * plain
+
+
+def _stale(calibration: Calibration) -> PolicyError:
+    return PolicyError(
+        f"the calibration (measured on {calibration.source}) was taken with other "
+        "settings than this policy's (axis, group size or candidate group sizes, "
+        "pre-RoPE, residual or sinks of some tensor, or another model); delete the "
+        "'calibration' block of the policy file so that compile_model measures it again"
+    )
+
+
+def _measured(calibration: Calibration, t: TensorPolicy, group: int | None
+              ) -> tuple[dict[int, float], dict[int, float]]:
+    """``({width: plain error}, {width: rotated error})`` of ``t`` at ``group`` (None: its
+    own fixed group); the rotated ones only for ``rotation: auto``."""
+    plain = calibration.errors(t.layer, t.tensor, group=group)
+    if t.rotation != "auto":
+        return plain, {}
+    turned = calibration.errors(t.layer, t.tensor, rotated=True, group=group)
+    if not turned:
+        raise PolicyError(
+            f"layer {t.layer} {t.tensor.value}: rotation: auto, but the calibration "
+            "has no rotated errors; delete the 'calibration' block so that "
+            "compile_model measures it again"
+        )
+    return plain, turned
+
+
+def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float,
+                 unit: Literal["code", "stored"] = "code", scale_bits: int = 16) -> ModelPolicy:
+    """``policy`` with every tensor not pinned by a rule at the width (and, for a
+    stored-bits budget, the group size) the allocator gives it; reasons quote the measured
+    errors, the result records budget, unit and calibration.
+
+    Args:
+        policy: the policy built from the spec, widths unallocated.
+        calibration: measured on ``policy``'s settings (``calibration_key``).
+        budget: average bits per element, in ``unit``.
+        unit: ``"code"`` (code bits; group sizes stay) or ``"stored"`` (codes plus a scale
+            and a zero of ``scale_bits`` each per group; widths and group sizes chosen).
+        scale_bits: bits of one stored scale or zero (16: fp16 or bf16).
+
+    Raises:
+        PolicyError: the calibration was measured with other settings, a code-bits budget
+            meets candidate group sizes, or the budget cannot be met.
+    """
+    tensors = policy.tensors
+    if unit == "code" and any(t.group_sizes for t in tensors):
+        raise PolicyError(
+            "a code-bits budget does not choose group sizes (their scales and zeros are not "
+            "counted, so the smallest would always win); give stored_bits, or one group size"
+        )
+    if calibration.settings != policy.calibration_key():
+        raise _stale(calibration)
+    if unit == "stored":
+        return _apply_stored(policy, calibration, budget, scale_bits)
+    errors, rotated, pinned = [], [], {}
+    for i, t in enumerate(tensors):
+        rotated.append({})
+        if t.bits_from == "rule":
+            pinned[i] = t.bits
+            errors.append({})
+            continue
+        plain, turned = _measured(calibration, t, None)
+        errors.append(plain)
+        rotated[i] = turned
+    # rotation: auto takes, at each width, the cheaper of the two (by ROTATION_GAIN).
+    costs = [{w: rotated[i][w] if _rotate(e, rotated[i].get(w)) else e
+              for w, e in errs.items()} for i, errs in enumerate(errors)]
+    sizes = [t.elements_per_token for t in tensors]
+    widths = allocate(costs, sizes, budget, pinned)
+    out = []
+    for i, (t, w) in enumerate(zip(tensors, widths, strict=True)):
+        data = t.model_dump()
+        if i in pinned:
+            reason = f"{t.reason}; pinned by the rule, counted against the budget {budget:g}"
+        else:
+            measured = " · ".join(f"{x} b {_fmt(e)}" for x, e in sorted(errors[i].items()))
+            reason = (
+                f"{t.reason}; budget {budget:g}: {w} bit{'s' if w > 1 else ''}, from the "
+                f"measured {calibration.metric} of quantizing this tensor alone ({measured})"
+            )
+        if t.rotation == "auto":
+            reason += _rotation_reason(data, w, errors[i].get(w), rotated[i].get(w))
+        data.update(bits=w, reason=reason, bits_from="rule" if i in pinned else "budget")
+        out.append(TensorPolicy.model_validate(data))
+    return policy.model_copy(update={
+        "tensors": tuple(out), "budget": budget, "budget_unit": "code",
+        "calibration": calibration,
+    })
+
+
+def _rotation_reason(data: dict[str, Any], w: int, plain: float | None,
+                     turned: float | None) -> str:
+    """Set ``data["rotation"]`` for ``rotation: auto`` and say why."""
+    data["rotation"] = "hadamard" if _rotate(plain, turned) else "none"
+    return (
+        f"; rotation: auto chose {data['rotation']} (at {w} bits "
+        f"{_fmt(turned) if turned is not None else '-'} rotated against "
+        f"{_fmt(plain) if plain is not None else '-'} plain; rotated when it costs "
+        f"under {ROTATION_GAIN:g}x)"
+    )
+
+
+Option = tuple[int, int]
+
+
+def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
+                  scale_bits: int) -> ModelPolicy:
+    """:func:`apply_budget` for a stored-bits budget: a ``(width, group)`` per tensor."""
+    tensors = policy.tensors
+    plain: list[dict[Option, float]] = []
+    turned: list[dict[Option, float]] = []
+    options: list[dict[Option, float]] = []
+    for t in tensors:
+        p: dict[Option, float] = {}
+        r: dict[Option, float] = {}
+        if not t.pinned_full_precision:
+            for g in t.group_sizes or (t.group_size,):
+                errs, rot = _measured(calibration, t, g if t.group_sizes else None)
+                if t.group_sizes and not errs:
+                    raise _stale(calibration)  # the candidates were not measured
+                p.update({(w, g): e for w, e in errs.items()})
+                r.update({(w, g): e for w, e in rot.items()})
+        plain.append(p)
+        turned.append(r)
+        if t.pinned_full_precision:
+            opts = {(t.bits, t.group_size): 0.0}
+        else:
+            opts = {o: r[o] if _rotate(e, r.get(o)) else e for o, e in p.items()
+                    if t.bits_from != "rule" or o[0] == t.bits}
+            if t.bits_from == "rule" and not opts:  # a pinned width the table lacks
+                opts = {(t.bits, t.group_size): 0.0}
+            if not opts:
+                raise PolicyError(
+                    f"layer {t.layer} {t.tensor.value}: the calibration measured no width "
+                    f"and group size that fit it (group sizes "
+                    f"{list(t.group_sizes or (t.group_size,))}); give group sizes that "
+                    "fill whole bytes at some width, e.g. multiples of 8"
+                )
+        options.append(opts)
+    sizes = [t.elements_per_token for t in tensors]
+    chosen = allocate_stored(options, sizes, budget, scale_bits)
+    out = []
+    for i, (t, (w, g)) in enumerate(zip(tensors, chosen, strict=True)):
+        data = t.model_dump()
+        sb = stored_bits(w, g, scale_bits)
+        what = (f"{_bits(w)}, group {g}: {sb:.2f} stored bits per "
+                f"element ({w} + 2 x {scale_bits}/{g})" if w < 16 else
+                "16 bits: 16.00 stored bits per element, no scales")
+        pinned = t.bits_from == "rule"
+        if pinned:
+            reason = f"{t.reason}; pinned by the rule at {what}, counted against the " \
+                     f"stored-bits budget {budget:g}"
+        else:
+            reason = (f"{t.reason}; stored-bits budget {budget:g}: {what}, from the measured "
+                      f"{calibration.metric} of quantizing this tensor alone")
+        if t.group_sizes and w < 16:
+            at_w = " · ".join(
+                f"group {x} {_fmt(options[i][(w, x)])} ({stored_bits(w, x, scale_bits):.2f})"
+                for x in t.group_sizes if (w, x) in options[i])
+            reason += f"; at {_bits(w)}: {at_w}"
+        if not pinned:
+            at_g = " · ".join(f"{x} b {_fmt(e)}" for (x, y), e in sorted(options[i].items())
+                              if y == g)
+            reason += f"; at group {g}: {at_g}"
+        if t.rotation == "auto":
+            reason += _rotation_reason(data, w, plain[i].get((w, g)), turned[i].get((w, g)))
+        data.update(bits=w, group_size=g, reason=reason,
+                    bits_from="rule" if pinned else "budget")
+        out.append(TensorPolicy.model_validate(data))
+    return policy.model_copy(update={
+        "tensors": tuple(out), "budget": budget, "budget_unit": "stored",
+        "calibration": calibration,
+    })
+
+
+def budget_policy(
+    model: nn.Module,
+    base: ModelPolicy,
+    spec: PolicySpec,
+    calibration: Calibration | torch.Tensor | Any = None,
+    progress: bool = True,
+) -> tuple[ModelPolicy, Calibration]:
+    """Allocate ``spec.budget`` (in ``spec.budget_unit``) over ``base`` (built from
+    ``spec``): from ``calibration`` (a :class:`Calibration`, token ids or a tokenizer), else
+    ``spec.calibration``, else a fresh :func:`~kvpolicy.calibrate.budget.calibrate` on the
+    default text."""
+    budget, unit = spec.budget, spec.budget_unit
+    if budget is None or unit is None:
+        raise ValueError("budget_policy needs a spec with a budget (bits float or stored_bits)")
+    if isinstance(calibration, Calibration):
+        cal = calibration
+    elif spec.calibration is not None and calibration is None:
+        cal = spec.calibration
+    else:
+        cal = measure.calibrate_on(model, base, calibration, progress=progress)
+    # NOTE: scales and zeros are stored in fp16 for fp32/fp16 models and in bf16 for bf16
+    # ones (runtime.cache.storage_dtype): 16 bits each.
+    scale_bits = torch.finfo(measure.scale_dtype(model)).bits
+    return apply_budget(base, cal, budget, unit, scale_bits), cal
