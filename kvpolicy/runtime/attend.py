@@ -7,7 +7,12 @@ multiplied the key with to the cache's RoPE table, appends to the layer and atte
 call of several tokens attends first, over the cache as it stands and its own tokens in
 full precision, then appends; README, the prefill paragraph). The
 layer and cache to use come from ``CURRENT``, set by the installed block forward
-(``runtime.install``) around each call.
+(``runtime.install``) around each call, or, under ``torch.compile``, from the cache the
+model's forward bound for the whole call and the layer index the block's graph passes.
+
+``KVAttend.forward`` is one call of the custom op ``kvpolicy::attend`` (``runtime.ops``),
+whose implementation is :meth:`KVAttend.step`: to ``torch.compile`` the step is one opaque
+node, and the cache's Python never enters a traced graph.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from ..errors import KVPolicyError
 from ..kernels import torch_backend
 from ..kernels.masks import mask_rows
 from ..kernels.rotation import rotation_matrix
+from . import ops
 from .checks import check_softcap
 
 __all__ = ["AttendContext", "CURRENT", "KVAttend", "Layout", "PosLayout"]
@@ -31,10 +37,17 @@ __all__ = ["AttendContext", "CURRENT", "KVAttend", "Layout", "PosLayout"]
 
 @dataclass
 class AttendContext:
-    """What a compiled block needs at run time, set by the caller around each call."""
+    """What a compiled block needs at run time, set by the caller around each call.
 
-    layer: object  # model_cache.KVPolicyLayer (or a temporary one)
-    cache: object | None  # model_cache.KVPolicyCache, None for a temporary layer
+    Set twice in an eager model call: once for the whole call by the model's forward
+    (``layer`` None: the cache every block of this call uses), and around each block call
+    by the installed block forward (``layer`` that block's). Under ``torch.compile`` only
+    the first is set (dynamo cannot trace ``ContextVar.set``; ``runtime.install``), and
+    ``kvpolicy::attend`` picks the layer out of ``cache`` by the index it is given.
+    """
+
+    layer: object | None  # cache.KVPolicyLayer (or a temporary one); None: by index
+    cache: object | None  # cache.KVPolicyCache, None for a temporary layer
 
 
 CURRENT: contextvars.ContextVar[AttendContext | None] = contextvars.ContextVar(
@@ -114,6 +127,7 @@ class KVAttend(nn.Module):
         # Where the model keeps RoPE frequencies (runtime.rotary.rotary_sources), set by
         # the compiler: the cache computes rows from them instead of storing rows.
         self.rotary_sources: tuple = ()
+        self.op_id = ops.register(self)
 
     def extra_repr(self) -> str:
         return (
@@ -131,17 +145,73 @@ class KVAttend(nn.Module):
             )
         return self.cos_layout.rows(cos), self.sin_layout.rows(sin)
 
-    def forward(self, q, k, v, mask, cos, sin, write_positions=None):
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+        cos: torch.Tensor | None, sin: torch.Tensor | None,
+        write_positions: torch.Tensor | None = None, layer: int = -1,
+    ) -> torch.Tensor:
+        """One call of the op ``kvpolicy::attend`` (``runtime.ops``), which runs
+        :meth:`step`: to ``torch.compile`` the whole step is one opaque node.
+
+        ``layer``: the attention layer's index, which each layer's own graph passes
+        (``runtime.install.layer_graph_module``); -1 (a graph built for no layer in
+        particular) uses the layer bound around the call.
+        """
+        return ops.attend(q, k, v, mask, cos, sin, write_positions, self.op_id, layer)
+
+    def __setstate__(self, state: dict) -> None:
+        # A copy (copy.deepcopy, pickle) is a module of its own: the op must find it, not
+        # the original, which may be freed while the copy lives.
+        super().__setstate__(state)
+        self.op_id = ops.register(self)
+
+    def output_like(self, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """An empty tensor like :meth:`step`'s output (``kvpolicy::attend``'s fake):
+        ``[B, Hq, Tq, Dv]`` in ``q``'s dtype, contiguous or, for ``tokens_major``, laid
+        out ``[B, Tq, Hq, Dv]`` in memory."""
+        b, hq, tq, _ = q.shape
+        dv = v.shape[self.value_layout.perm[-1]]  # the channel dim of the value
+        if self.tokens_major:
+            return q.new_empty((b, tq, hq, dv)).transpose(1, 2)
+        return q.new_empty((b, hq, tq, dv))
+
+    def step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+        cos: torch.Tensor | None, sin: torch.Tensor | None,
+        write_positions: torch.Tensor | None, layer: int,
+    ) -> torch.Tensor:
+        """The attention step (``kvpolicy::attend``'s implementation): append, attend.
+
+        The layer is the one bound around the block call or, when only the model call's
+        cache is bound (under ``torch.compile``), layer ``layer`` of that cache.
+        """
         ctx = CURRENT.get()
         if ctx is None:
             raise KVPolicyError(
-                "a kvpolicy-compiled attention block was called outside its model wrapper"
+                "a kvpolicy-compiled attention block was called outside its model wrapper, "
+                "so no cache is bound for it; call the model. Under torch.compile a block "
+                "finds its cache in the binding of the model's forward: compile the model "
+                "(or its body, model.model), not an attention block alone"
             )
-        layer, cache = ctx.layer, ctx.cache
-        packed = layer.packed
+        cache = ctx.cache
+        if ctx.layer is not None:
+            layer_obj = ctx.layer
+            if cache is not None and layer >= 0 and layer_obj.layer_idx != layer:
+                raise KVPolicyError(
+                    f"the graph of attention layer {layer} ran with layer "
+                    f"{layer_obj.layer_idx} of the cache bound; this is a kvpolicy bug"
+                )
+        elif layer < 0 or cache is None:
+            raise KVPolicyError(
+                "kvpolicy::attend needs an attention layer index (the graph of a compiled "
+                "layer passes it) to find its layer in the model call's cache"
+            )
+        else:
+            layer_obj = cache.packed_layer(layer)
+        packed = layer_obj.packed
         k = self.key_layout.apply(k)
         v = self.value_layout.apply(v)
-        rotation = rotation_matrix(layer.value_rotation, v.shape[-1], v.device)
+        rotation = rotation_matrix(layer_obj.value_rotation, v.shape[-1], v.device)
         if rotation is not None:  # every stored value is v R; the output is rotated back
             v = (v.float() @ rotation).to(v.dtype)
         start = packed.n_seen
@@ -150,7 +220,7 @@ class KVAttend(nn.Module):
             # The cache turns the rows into positions (runtime.rotary) and hands back a
             # table they index; `positions` is a runtime.positions.TokenPositions.
             c, s = self._rope_rows(cos, sin)
-            rope, positions = cache.rope_rows(layer, c, s, self.rope_style, k.shape[0],
+            rope, positions = cache.rope_rows(layer_obj, c, s, self.rope_style, k.shape[0],
                                               self.rotary_sources)
         if self.mask_by_position and write_positions is not None:
             start = _own_cache_start(packed, write_positions, start)
@@ -188,8 +258,10 @@ class KVAttend(nn.Module):
         if rotation is not None:
             out = (out.float() @ rotation.T).to(out.dtype)
         if self.tokens_major:
-            out = out.transpose(1, 2).contiguous().transpose(1, 2)
-        return out
+            return out.transpose(1, 2).contiguous().transpose(1, 2)
+        # One layout whatever the path (SDPA on CPU returns [B, T, H, D]-major storage):
+        # the op's fake implementation promises it (output_like).
+        return out.contiguous()
 
 
 def _own_cache_start(packed, write_positions: torch.Tensor, start: int) -> int:

@@ -11,6 +11,12 @@ Runtime state lives in three places, each for a reason: the ``CompiledModel`` on
 (``kvpolicy.state``); the ``KVPolicyCache`` the caller holds (or, for a call without one, the
 cache of that one whole-model call, ``_CALL``); and ``attend.CURRENT``, the layer
 a block call writes to, set around each call so that the graph needs no cache argument.
+
+Under ``torch.compile``: the model's forward binds the call's cache in ``attend.CURRENT``
+for the whole call and is itself never traced (``torch.compiler.disable`` of that one
+frame); a block traced by dynamo skips the per-block binding, which dynamo cannot trace,
+and its layer's graph names its layer to the op ``kvpolicy::attend`` (``runtime.ops``),
+which looks the layer up in the bound cache. A decode step is then one graph.
 """
 
 from __future__ import annotations
@@ -111,13 +117,22 @@ class _Wrapper(nn.Module):
         object.__setattr__(self, "module", module)  # not registered: no ownership
 
 
-def layer_graph_module(kg: KindGraph, module: nn.Module) -> fx.GraphModule:
+def layer_graph_module(kg: KindGraph, module: nn.Module, layer: int = -1) -> fx.GraphModule:
+    """The graph of ``kg`` bound to ``module``'s parameters. With ``layer`` (the attention
+    layer's index) its ``KVAttend`` call names the layer, so that ``kvpolicy::attend``
+    finds it in the cache bound for the whole model call (what ``torch.compile`` runs);
+    -1: the layer bound around each call (:func:`run_block`)."""
     root: dict[str, Any] = {"kvpolicy_attend": kg.attend, **kg.consts}
     w = _Wrapper(module)
     for n in kg.graph.nodes:
         if n.op == "get_attr" and n.target.startswith("module."):
             root[n.target] = resolve_attr(w, n.target)
-    return fx.GraphModule(root, copy.deepcopy(kg.graph), class_name="KVPolicyBlock")
+    graph = copy.deepcopy(kg.graph)
+    if layer >= 0:
+        for n in graph.nodes:
+            if n.op == "call_module" and n.target == "kvpolicy_attend":
+                n.kwargs = {**n.kwargs, "layer": layer}
+    return fx.GraphModule(root, graph, class_name="KVPolicyBlock")
 
 
 @dataclass
@@ -158,24 +173,37 @@ class _BlockForward:
 
     def __init__(self, compiled: CompiledModel, module: nn.Module, layer: int) -> None:
         self.compiled, self.module, self.layer = compiled, module, layer
+        # The call structures of this layer's kind, scanned rather than looked up: dynamo
+        # cannot hash a TreeSpec (NOTE: under torch.compile the dict lookup raised
+        # TypeError inside dynamo, which then ran the whole block call eagerly).
+        self._structures = list(compiled.kinds[compiled.layer_kind[layer]].items())
 
     def _graph(self, leaves, spec) -> fx.GraphModule:
-        kind = self.compiled.layer_kind[self.layer]
-        sig = (spec, call_signature(leaves))
-        graphs = self.compiled.kinds[kind]
-        kg = graphs.get(sig)
-        if kg is None:
-            known = next(iter(graphs))
-            raise KVPolicyError(
-                f"attention layer {self.layer} was called with arguments that differ from "
-                f"the calls kvpolicy traced ({_diff(known, sig)}); kvpolicy traces each "
-                "call structure at compile time (plain and left-padded batches for "
-                "transformers models)"
-            )
+        sig = call_signature(leaves)
+        for i, ((s, g), _) in enumerate(self._structures):
+            if g == sig and s == spec:
+                return self.layer_graph(i)
+        raise KVPolicyError(
+            f"attention layer {self.layer} was called with arguments that differ from "
+            f"the calls kvpolicy traced ({_diff(self._structures[0][0], (spec, sig))}); "
+            "kvpolicy traces each call structure at compile time (plain and left-padded "
+            "batches for transformers models)"
+        )
+
+    def layer_graph(self, structure: int) -> fx.GraphModule:
+        """This layer's graph of call structure ``structure``, built on first use."""
+        kg = self._structures[structure][1]
         gm = kg.per_layer.get(self.layer)
         if gm is None:
-            gm = kg.per_layer[self.layer] = layer_graph_module(kg, self.module)
+            gm = kg.per_layer[self.layer] = layer_graph_module(kg, self.module, self.layer)
         return gm
+
+    def build_graphs(self) -> None:
+        """Build this layer's graph of every call structure now: dynamo cannot trace
+        building a ``GraphModule``, so under ``torch.compile`` they must exist before the
+        first block call is traced (the model's forward calls this on its first call)."""
+        for i in range(len(self._structures)):
+            self.layer_graph(i)
 
     def __call__(self, *args, **kwargs):
         cache, leaves, spec = flatten_call(args, kwargs)
@@ -186,6 +214,13 @@ class _BlockForward:
                 "by kvpolicy stores its keys and values in a KVPolicyCache. Let the model "
                 "create one (use_cache=True) or pass kvpolicy.KVPolicyCache.for_model(model)"
             )
+        if torch.compiler.is_compiling():
+            # NOTE: dynamo cannot trace ContextVar.set/reset: binding the layer here broke
+            # the graph three times per layer and call, and split every frame above it
+            # (15 graphs per decode step of a 2-layer llama). Under torch.compile the
+            # model's forward (which dynamo skips: it sets contextvars) has bound this
+            # call's cache, and the layer's graph names its layer to kvpolicy::attend.
+            return gm(*[x for x in leaves if isinstance(x, torch.Tensor)])
         if cache is None and self.compiled.keeps_own_cache:
             # The block writes into a buffer of its own at given positions: the packed
             # cache stands in for it across calls (a call at position 0 restarts it).
@@ -220,15 +255,34 @@ def install(model: nn.Module, compiled: CompiledModel) -> None:
     """Replace the ``forward`` of every compiled attention layer and wire the model's
     ``forward``/``generate`` to create a ``KVPolicyCache``. Cannot fail: everything that
     can was checked at compile time."""
+    blocks = []
     for i, module in enumerate(compiled.analysis.modules):
         module.forward = _BlockForward(compiled, module, i)
-    _install_model_hooks(model, compiled)
+        blocks.append(module.forward)
+    _install_model_hooks(model, compiled, blocks)
     st = state_of(model)
     st.compiled, st.policy = compiled, compiled.policy
 
 
-def _install_model_hooks(model: nn.Module, compiled: CompiledModel) -> None:
-    """Make ``model(...)`` and ``model.generate(...)`` create a KVPolicyCache."""
+def _call_cache(compiled: CompiledModel, scope: _CallScope, args: tuple,
+                kwargs: dict) -> KVPolicyCache:
+    """The cache the blocks of one model call use, as ``_BlockForward`` finds it: the
+    ``KVPolicyCache`` among the call's arguments (transformers hands it to every block),
+    else the blocks' own-buffer stand-in, else the call's own cache. Bound for the whole
+    call, for the blocks that ``torch.compile`` runs without a per-block binding."""
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, KVPolicyCache):
+            return x
+    if compiled.keeps_own_cache:
+        return compiled.persistent_cache()
+    return scope.cache()
+
+
+def _install_model_hooks(model: nn.Module, compiled: CompiledModel,
+                         blocks: list[_BlockForward]) -> None:
+    """Make ``model(...)`` and ``model.generate(...)`` create a KVPolicyCache, and bind
+    the cache of each call for its blocks (``attend.CURRENT``)."""
+    built = [False]
     orig_forward = model.forward
     has_use_cache = "use_cache" in _inspect.signature(orig_forward).parameters
     kw = compiled.cache_kw
@@ -259,13 +313,27 @@ def _install_model_hooks(model: nn.Module, compiled: CompiledModel) -> None:
             given = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
             if use and not given:
                 kwargs[kw] = compiled.new_cache()
-        token = _CALL.set(_CallScope(compiled))
+        if not built[0]:
+            # On the first call rather than at install: a graph binds the parameters and
+            # buffers the module has then (after a .to(device), say). NOTE: 5.5 ms per
+            # graph module of the tiny llama's 33 nodes.
+            for block in blocks:
+                block.build_graphs()
+            built[0] = True
+        scope = _CallScope(compiled)
+        token = _CALL.set(scope)
+        bound = CURRENT.set(AttendContext(layer=None, cache=_call_cache(compiled, scope,
+                                                                          args, kwargs)))
         try:
             return orig_forward(*args, **kwargs)
         finally:
+            CURRENT.reset(bound)
             _CALL.reset(token)
 
-    model.forward = forward
+    # Dynamo skips this frame (contextvars and Python bookkeeping, no tensor work) and
+    # compiles what it calls. NOTE: traced, it broke the graph at each of its four
+    # ContextVar set/reset calls, every decode step; skipped, a step is one graph.
+    model.forward = torch.compiler.disable(forward, recursive=False)
     if hasattr(model, "generate") and kw is not None:
         orig_generate = model.generate
 
