@@ -290,25 +290,37 @@ def _prefill_attention(q, k, v, attn_mask, causal, scale, rope, positions,
     """Full-precision attention of a prefill over its own tokens ``[B, H, T, D]``.
 
     torch's fused ``scaled_dot_product_attention`` (flash on CPU, flash or memory-efficient
-    on CUDA), in fp32 as the cache's own kernels compute: no ``[T, T]`` score matrix, and
-    no ``[T, T]`` mask for a causal prefill. A caller's mask (left padding) is passed in
-    blocks of query rows, so that only a block of it is ever widened to fp32. SDPA cannot
-    soft-cap: with ``softcap`` the rows are attended in blocks by :func:`_capped_prefill`.
+    on CUDA): no ``[T, T]`` score matrix, and no ``[T, T]`` mask for a causal prefill. On
+    CPU (and for an fp32 model) it runs in fp32, as the cache's own kernels compute; a
+    half-precision model on a GPU runs it in its dtype, which is what the fused GPU kernels
+    take (fp32 accumulation inside) and half the bytes of an fp32 copy. A caller's mask
+    (left padding) is passed in blocks of query rows, so that only a block of it is ever
+    widened. SDPA cannot soft-cap: with ``softcap`` the rows are attended in fp32 blocks by
+    :func:`_capped_prefill`.
     """
     if rope is not None:
         k = torch_backend.BACKEND.apply_rope(k, positions.tensor(k.device), rope)
     dtype = q.dtype
-    q, k, v = q.float(), k.float(), v.float()
+    half_gpu = q.device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     if softcap is not None:
         check_softcap(softcap)
+        q, k, v = q.float(), k.float(), v.float()
         return _capped_prefill(q, k, v, attn_mask, causal, scale, softcap).to(dtype)
+    if not half_gpu:
+        q, k, v = q.float(), k.float(), v.float()
     gqa = q.shape[1] != k.shape[1]
-    if gqa and q.device.type != "cpu":
-        # enable_gqa only on CPU, whose flash kernel takes it: not every fused kernel does
-        # (ROCm's memory-efficient one does not), and a refusal falls back to the math
-        # path, which builds the [T, T] scores. The expanded K/V are the query's size.
-        # NOTE: causal SDPA on CPU, 16K tokens, 4 query heads on 2 kv heads, D=64, fp32:
-        # peak RSS rises 54 MB with K/V expanded, 20 MB with enable_gqa.
+    # enable_gqa where the kernel that will run takes it: CPU's flash kernel, and CUDA's
+    # flash kernel (half precision, head_dim <= 256, no mask). Elsewhere (ROCm's
+    # memory-efficient kernel, a masked prefill, fp32 on CUDA) a refusal would fall back
+    # to the math path, which builds the [T, T] scores, so K/V are expanded to the
+    # query's heads instead. NOTE: causal SDPA on CPU, 16K tokens, 4 query heads on 2 kv
+    # heads, D=64, fp32: peak RSS rises 54 MB with K/V expanded, 20 MB with enable_gqa.
+    # The CUDA choice follows torch's documented kernel constraints; no GPU run checked it.
+    native_gqa = q.device.type == "cpu" or (
+        half_gpu and attn_mask is None and q.shape[-1] <= 256
+        and torch.version.hip is None
+    )
+    if gqa and not native_gqa:
         rep = q.shape[1] // k.shape[1]
         k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
     if attn_mask is None:
@@ -319,7 +331,8 @@ def _prefill_attention(q, k, v, attn_mask, causal, scale, rope, positions,
         blocks = [
             F.scaled_dot_product_attention(
                 q[:, :, r0 : r0 + _MASK_ROWS], k, v, scale=scale, enable_gqa=gqa,
-                attn_mask=mask_rows(attn_mask, False, range(r0, min(t, r0 + _MASK_ROWS)), t, t),
+                attn_mask=mask_rows(attn_mask, False, range(r0, min(t, r0 + _MASK_ROWS)), t,
+                                    t).to(q.dtype),
             )
             for r0 in range(0, t, _MASK_ROWS)
         ]
