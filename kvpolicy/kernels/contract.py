@@ -102,6 +102,10 @@ class Backend:
             ``fp_positions [B,Tf]`` when ``rope`` is set), with ``mask``/``fp_mask`` over
             each segment's own keys ``-> (out, lse)``. ``check_positions=False``: the
             caller has checked every position against the rotary table.
+        warm_up: ``(key_spec, value_spec, *, n_kv_heads, gqa, head_dim, dtype, device,
+            query_dtype, rope, softcap) -> None``, compiles (and tunes) the decode kernels
+            of one layer's policy ahead of its first step; None for a backend with nothing
+            to compile (torch: the C++ kernel is built once when first loaded).
 
     Every attention function takes ``softcap`` (default None): scores are capped as in
     the module docstring, in fp32, before the mask is added.
@@ -115,6 +119,7 @@ class Backend:
     apply_rope: ApplyRope
     merge_partials: MergePartials
     decode_attention: DecodeAttention
+    warm_up: Callable[..., None] | None = None
 
 
 def compose_decode(

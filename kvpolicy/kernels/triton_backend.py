@@ -22,10 +22,19 @@ exists; the runtime's decode step never calls this field).
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+
 from . import torch_backend
 from .contract import Backend
+from .layout import QuantSpec, RotarySpec
 
 __all__ = ["load"]
+
+# Variants already warmed in this process: a warm-up per layer would relaunch the same
+# tiny kernels 30 times per prefill for a model whose layers share one policy.
+_WARMED: set[tuple] = set()
 
 
 def load() -> Backend:
@@ -42,4 +51,24 @@ def load() -> Backend:
         apply_rope=torch_backend.apply_rope,
         merge_partials=torch_backend.merge_partials_lse,
         decode_attention=triton_attention.decode_attention,
+        warm_up=_warm_up,
     )
+
+
+def _warm_up(
+    key_spec: QuantSpec, value_spec: QuantSpec, *, n_kv_heads: int, gqa: int, head_dim: int,
+    dtype: torch.dtype, device: torch.device, query_dtype: torch.dtype,
+    rope: RotarySpec | None = None, softcap: float | None = None, **kwargs: Any,
+) -> None:
+    """``Backend.warm_up``: :func:`triton_decode.warm_up_decode` once per variant."""
+    from . import triton_attention
+
+    variant = (key_spec, value_spec, n_kv_heads, gqa, head_dim, dtype, str(device),
+               query_dtype, None if rope is None else (rope.style, rope.rotary_dim,
+                                                       rope.cos.dtype), softcap)
+    if variant in _WARMED:
+        return
+    triton_attention.warm_up_decode(
+        key_spec, value_spec, n_kv_heads=n_kv_heads, gqa=gqa, head_dim=head_dim, dtype=dtype,
+        device=device, query_dtype=query_dtype, rope=rope, softcap=softcap, **kwargs)
+    _WARMED.add(variant)

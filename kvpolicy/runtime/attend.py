@@ -246,6 +246,10 @@ class KVAttend(nn.Module):
                                     rope=rope, pending=(k, v, positions),
                                     softcap=self.softcap)
             packed.append(k, v, positions)
+            if start == 0 and q.device.type == "cuda":
+                # The prompt already stalls: compile and tune the decode kernels now
+                # rather than at the first step (once per policy variant and process).
+                packed.warm_up(q[:, :, :1], rope=rope, softcap=self.softcap)
         else:
             packed.append(k, v, positions)
             out = packed.attend(

@@ -27,11 +27,12 @@ from typing import Any
 import torch
 
 from ..errors import CacheError
+from ..kernels.backend import check_name
 from ..kernels.layout import QuantSpec, RotarySpec
 
 __all__ = [
-    "CHECKS_ENV", "check_finite", "check_pair", "check_query", "check_rope", "check_softcap",
-    "check_table", "align_window_mask", "data_checks",
+    "CHECKS_ENV", "align_window_mask", "check_batch_index", "check_finite", "check_layer_args",
+    "check_pair", "check_query", "check_rope", "check_softcap", "check_table", "data_checks",
 ]
 
 CHECKS_ENV = "KVPOLICY_CHECKS"
@@ -84,6 +85,37 @@ def check_pair(key: Any, value: Any, key_spec: QuantSpec, value_spec: QuantSpec)
                 f"{spec.group_size} (per-token groups span channels); use a group size "
                 f"that divides {d}"
             )
+
+
+def check_layer_args(
+    key_spec: Any, value_spec: Any, residual: int, sinks: int, backend: str, window: Any,
+    dtype: torch.dtype | None,
+) -> None:
+    """The configuration of a ``PackedKVLayer``."""
+    if not isinstance(key_spec, QuantSpec) or not isinstance(value_spec, QuantSpec):
+        raise CacheError("key_spec and value_spec must be kvpolicy QuantSpec instances")
+    if residual < 0 or sinks < 0:
+        raise CacheError(f"residual={residual} and sinks={sinks} must be >= 0")
+    check_name(backend)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise CacheError(f"window={window!r} must be a positive int (or None: global)")
+    if dtype is not None and not dtype.is_floating_point:
+        raise CacheError(f"dtype={dtype} is not a floating dtype; use bfloat16/float16/32")
+
+
+def check_batch_index(batch_index: Any, batch: int, values: bool) -> None:
+    """``reorder``'s ``batch_index``: a 1-D int tensor; with ``values`` (a host read, see
+    :func:`data_checks`), every entry in ``[0, batch)``."""
+    if not isinstance(batch_index, torch.Tensor) or batch_index.dim() != 1 or (
+        batch_index.dtype not in (torch.int64, torch.int32)
+    ):
+        raise CacheError("batch_index must be a 1-D int64 tensor")
+    if values and batch_index.numel() and (
+        int(batch_index.min()) < 0 or int(batch_index.max()) >= batch
+    ):
+        raise CacheError(f"batch_index values must lie in [0, {batch}); got "
+                         f"{batch_index.tolist()}")
 
 
 def check_finite(key: torch.Tensor, value: torch.Tensor) -> None:

@@ -34,13 +34,15 @@ from typing import Any
 import torch
 
 from ..errors import CacheError
-from ..kernels.backend import Backend, check_name, select
+from ..kernels.backend import Backend, select
 from ..kernels.contract import quantize_in_blocks
 from ..kernels.layout import Packed, QuantSpec, RotarySpec
 from ..kernels.masks import mask_rows, none_if_open
 from .checks import (
     align_window_mask,
+    check_batch_index,
     check_finite,
+    check_layer_args,
     check_pair,
     check_query,
     check_rope,
@@ -106,16 +108,7 @@ class PackedKVLayer:
         pre_rope: bool | None = None,
         window: int | None = None,
     ) -> None:
-        if not isinstance(key_spec, QuantSpec) or not isinstance(value_spec, QuantSpec):
-            raise CacheError("key_spec and value_spec must be kvpolicy QuantSpec instances")
-        if residual < 0 or sinks < 0:
-            raise CacheError(f"residual={residual} and sinks={sinks} must be >= 0")
-        check_name(backend)
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                                   or window < 1):
-            raise CacheError(f"window={window!r} must be a positive int (or None: global)")
-        if dtype is not None and not dtype.is_floating_point:
-            raise CacheError(f"dtype={dtype} is not a floating dtype; use bfloat16/float16/32")
+        check_layer_args(key_spec, value_spec, residual, sinks, backend, window, dtype)
         self.key_spec = key_spec
         self.value_spec = value_spec
         self.residual = residual
@@ -515,6 +508,22 @@ class PackedKVLayer:
             )[0])
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(query.dtype)
 
+    def warm_up(self, query: torch.Tensor, *, rope: RotarySpec | None = None,
+                softcap: float | None = None) -> bool:
+        """Compile the decode kernels of this layer's steps for queries like ``query``
+        (``KVAttend`` calls it after a GPU prefill, so that the first step does not stall);
+        returns False for a backend with nothing to compile or an empty layer."""
+        backend = self.kernels(query.device)
+        if backend.warm_up is None or self._shape is None:
+            return False
+        _, h, dk, _ = self._shape
+        backend.warm_up(
+            self.key_spec, self.value_spec, n_kv_heads=h, gqa=query.shape[1] // h,
+            head_dim=dk, dtype=self._store_dtype(), device=query.device,
+            query_dtype=query.dtype, rope=(rope or self.rope) if self.pre_rope else None,
+            softcap=softcap)
+        return True
+
     def _fp_segment(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Sinks and residual window as one full-precision segment ``(k, v)``."""
         fk = [t for t in (self._sink_k, self._res_k) if t is not None and t.shape[2]]
@@ -531,13 +540,7 @@ class PackedKVLayer:
         """Select/reorder batch rows (beam search): row ``i`` becomes old row ``batch_index[i]``."""
         if self._shape is None:
             return
-        if not isinstance(batch_index, torch.Tensor) or batch_index.dim() != 1 or (
-            batch_index.dtype not in (torch.int64, torch.int32)
-        ):
-            raise CacheError("batch_index must be a 1-D int64 tensor")
-        b = self._shape[0]
-        if batch_index.numel() and (int(batch_index.min()) < 0 or int(batch_index.max()) >= b):
-            raise CacheError(f"batch_index values must lie in [0, {b}); got {batch_index.tolist()}")
+        check_batch_index(batch_index, self._shape[0], data_checks(self._device, 1))
         idx = batch_index.to(self._device, torch.int64)
 
         def sel(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -89,3 +89,33 @@ def test_fp32_model_keeps_fp32_queries(monkeypatch):
     ids = torch.randint(3, 128, (1, 38), generator=torch.Generator().manual_seed(1))
     _decode_logits(model, ids, 36)
     assert seen and all(s["q"] == torch.float32 for s in seen)
+
+
+def test_warm_up_compiles_a_layer_variant_once(monkeypatch):
+    """``PackedKVLayer.warm_up`` (called after a GPU prefill) launches the decode kernel's
+    warm-up once per policy variant and process; the torch backend has nothing to warm."""
+    from kvpolicy.kernels import triton_attention, triton_backend
+
+    calls = []
+    real = triton_attention.warm_up_decode
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "warm_up_decode", counting)
+    monkeypatch.setattr(triton_backend, "_WARMED", set())
+    model = kvpolicy.compile_model(tiny_model("llama").to(torch.float16), policy=POLICY,
+                                   backend="triton")
+    ids = torch.randint(3, 128, (1, 36), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    q = torch.zeros(1, 4, 1, 32, dtype=torch.float16)
+    rope = cache.layers[0].rotary.spec(torch.float16)
+    assert [layer.packed.warm_up(q, rope=rope) for layer in cache.layers] == [True, True]
+    assert len(calls) == 1  # both layers share one policy variant
+    assert calls[0]["query_dtype"] == torch.float16 and calls[0]["rope"] is rope
+    cpu_model = kvpolicy.compile_model(tiny_model("llama"), policy=POLICY, backend="torch")
+    with torch.no_grad():
+        cpu_cache = cpu_model(ids, use_cache=True).past_key_values
+    assert not cpu_cache.layers[0].packed.warm_up(q.float())
