@@ -166,9 +166,10 @@ def load_model(name: str) -> Any:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {}
-    budget = dict(bits=args.bits, stored_bits=args.stored_bits)
+    if args.stored_bits is not None:  # passed only when given
+        extra["stored_bits"] = args.stored_bits
     if args.calibration is not None:
-        if load_spec(args.policy, **budget).budget is None:
+        if load_spec(args.policy, bits=args.bits, **extra).budget is None:
             given = f"--bits {args.bits}" + (f" with --policy {args.policy}" if args.policy
                                              else "")
             raise KVPolicyError(
@@ -179,7 +180,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     if args.calibration is not None:
         extra["calibration"] = calibration_ids_from_file(model, args.calibration)
-    policy = api.derive_policy(model, policy=args.policy, **budget, **extra)
+    policy = api.derive_policy(model, bits=args.bits, policy=args.policy, **extra)
     if args.save:
         path = api.save_policy(model, args.save)
         print(f"policy file written to {path}", file=sys.stderr)

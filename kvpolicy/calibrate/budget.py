@@ -325,6 +325,7 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
     probs = torch.softmax(scores + mask, dim=-1)
     v_heads = expand_heads(v, hq)  # values per query head, read by every key width
     out = torch.matmul(probs, v_heads)
+    probs_quantized = probs * quantized  # the weights the quantized values get, every width
 
     def error(approx: torch.Tensor) -> float:
         if metric == "fisher":
@@ -359,7 +360,7 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
             v_seg = roundtrip((v[:, :, seg] @ rot).contiguous(), spec, store) @ rot.T
         dv = torch.zeros_like(v)
         dv[:, :, seg] = v_seg - v[:, :, seg]
-        return error(out + torch.matmul(probs * quantized, expand_heads(dv, hq)))
+        return error(out + torch.matmul(probs_quantized, expand_heads(dv, hq)))
 
     for w in widths:
         for g in key_groups:

@@ -97,7 +97,7 @@ def _footer(policy: Any) -> str:
     text = f"average {policy.avg_bits:.3f} code bits per cached element"
     stored = policy.budget is not None and policy.budget_unit == "stored"
     if stored:
-        text += f", {policy.avg_stored_bits():.3f} stored bits (scales and zeros counted)"
+        text += f", {policy.avg_stored_bits():.3f} stored bits with scales and zeros"
     if policy.budget is not None:
         text += f" ({'stored-bits budget' if stored else 'budget'} {policy.budget:g}"
         if policy.calibration is not None:

@@ -307,7 +307,16 @@ class PolicySpec(Frozen):
                 r.model_dump(mode="json", exclude_none=True) for r in self.overrides
             ]
         if self.calibration is not None:
-            doc["calibration"] = self.calibration.model_dump(mode="json")
+            cal = self.calibration.model_dump(mode="json")
+            # The group tables of a stored-bits budget only where measured: a code-bits
+            # budget's file reads as it did before they existed.
+            if not cal["groups"]:
+                del cal["groups"]
+            for layer in cal["layers"]:
+                for name in ("key_groups", "value_groups", "value_rotated_groups"):
+                    if layer[name] is None:
+                        del layer[name]
+            doc["calibration"] = cal
         # Flow style for lists of scalars: one line per tensor of the calibration table.
         return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=1 << 16,
                               default_flow_style=None)
