@@ -11,6 +11,7 @@ from typing import Any
 from . import api, evaluation, zoo
 from .calibrate.budget import calibration_ids_from_file
 from .errors import KVPolicyError, ZooError
+from .evaluation.stored import STORED_BUDGETS
 from .policy import SUPPORTED_BITS, list_presets, load_spec
 from .zoo import tiny
 
@@ -140,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--text", metavar="FILE", default=None,
                     help="a UTF-8 text file to cut the segments and retrieval passages from "
                     "instead of the pydoc text (a budget still calibrates on pydoc)")
+    ev.add_argument("--stored-bits", type=_stored_bits, nargs="*", metavar="B",
+                    default=list(STORED_BUDGETS),
+                    help="stored-bits budgets of the frontier (codes plus fp16 scale and zero "
+                    "per group; widths and group sizes allocated, one calibration for all; "
+                    "default: " + " ".join(f"{b:g}" for b in STORED_BUDGETS)
+                    + "; --stored-bits with no value skips them)")
     ev.add_argument("--out", metavar="DIR", default="eval-out", help="output folder")
     ev.add_argument("--quick", action="store_true",
                     help="a tiny random model and short text: a smoke test in seconds")
@@ -199,6 +206,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         args.model, bits=args.bits, policy=args.policy, segments=args.segments,
         context=args.context, steps=args.steps, out=args.out, quick=args.quick,
         peers=not args.no_peers, retrieval=args.retrieval, text_file=args.text,
+        stored_budgets=args.stored_bits,
     )
     print(report.to_markdown().rstrip("\n"))
     print(f"\nwritten to {args.out}/ (report.md, report.json, plots)")

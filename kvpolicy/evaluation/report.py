@@ -2,10 +2,11 @@
 holds them, the frontier read from them, and the files written (``report.md``,
 ``report.json`` and PNG plots).
 
-The frontier puts the uniform widths (the "2/3/4 bits" ablations), the budgets and the
-peer on the same axes: perplexity ratio against steady-state compression, i.e. bytes per
-token of the quantized body (codes plus per-group scales and zeros; the full-precision
-sink and residual windows, which a long context amortises, not counted) against fp16.
+The frontier puts the uniform widths (the "2/3/4 bits" ablations), the budgets (of code
+bits, and of stored bits: group "stored") and the peer on the same axes: perplexity ratio
+against steady-state compression, i.e. bytes per token of the quantized body (codes plus
+per-group scales and zeros; the full-precision sink and residual windows, which a long
+context amortises, not counted) against fp16.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ class RunResult:
     """One scored run: perplexity, cache bytes and step time, with the spec it ran."""
 
     name: str
-    group: str  # headline | axes | rope | residual | sinks | bits | split | budget | peer
+    # headline | axes | rope | residual | sinks | bits | split | budget | currency | stored
+    # (a stored-bits budget) | peer
+    group: str
     perplexity: float
     ratio: float  # perplexity / full-precision perplexity
     cache_bytes: int | None  # held at the end of the eval, windows included
@@ -38,6 +41,9 @@ class RunResult:
     # quanto's storage format (the peer). fp16_bytes_per_token: the same token in fp16.
     avg_bits: float | None = None
     bytes_per_token: float | None = None
+    # Stored bits per element of the quantized body (codes + scales + zeros): what a
+    # stored-bits budget bounds; bytes_per_token * 8 over the elements per token.
+    avg_stored_bits: float | None = None
     fp16_bytes_per_token: int | None = None
     # The same figure measured on the cache held at the end of the eval: bytes of codes,
     # scales and zeros divided by the quantized tokens (a cross-check of bytes_per_token).
@@ -165,7 +171,7 @@ class EvalReport:
     def _frontier_markdown(self) -> list[str]:
         """The frontier table, the dominance lines and the widths of the middle budget."""
         points = frontier_points(self.runs)
-        if not any(r.group == "budget" for r in points):
+        if not any(r.group in ("budget", "stored") for r in points):
             return []
         lines = [
             "", "## Frontier: perplexity vs compression", "",
@@ -174,9 +180,10 @@ class EvalReport:
             "full-precision sink and residual windows not counted). Measured: the whole cache "
             "held at the end of this eval, windows included.",
             "",
-            "| run | avg code bits | bytes/token | × smaller than fp16 (steady state) "
-            "| × smaller, measured at the end | perplexity | × fp |",
-            "|---|---|---|---|---|---|---|",
+            "| run | avg code bits | bytes/token | stored bits | × smaller than fp16 (steady "
+            "state) | × smaller, measured at the end | perplexity | × fp | KL to fp "
+            "| top-1 = fp |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in points:
             bits = f"{r.avg_bits:.3f}" if r.avg_bits is not None else "-"
@@ -185,8 +192,11 @@ class EvalReport:
             measured = (
                 f"{r.fp16_bytes / r.cache_bytes:.2f}" if r.cache_bytes and r.fp16_bytes else "-"
             )
-            lines.append(f"| {r.name} | {bits} | {bpt} | {steady} | {measured} | "
-                         f"{r.perplexity:.3f} | {r.ratio:.3f} |")
+            stored = f"{r.avg_stored_bits:.3f}" if r.avg_stored_bits is not None else "-"
+            kl = f"{r.kl:.3g}" if r.kl is not None else "-"
+            agree = f"{r.top1_agreement:.3f}" if r.top1_agreement is not None else "-"
+            lines.append(f"| {r.name} | {bits} | {bpt} | {stored} | {steady} | {measured} | "
+                         f"{r.perplexity:.3f} | {r.ratio:.3f} | {kl} | {agree} |")
         lines.append("")
         for name, beaten_by in frontier_dominance(self.runs).items():
             b = self.run(name)
@@ -208,6 +218,13 @@ class EvalReport:
             lines += ["", f"One calibration for all budgets: {cal['source']}, {cal['rows']}x"
                           f"{cal['tokens']} tokens, {cal['seconds']:.1f} s to measure "
                           f"({cal['wall_seconds']:.1f} s with the policy derivation)."]
+        stored = (self.frontier or {}).get("stored")
+        if stored:
+            cal = stored["calibration"]
+            lines += ["", f"One more calibration for the stored-bits budgets (widths and group "
+                          f"sizes, of {stored['groups'] or 'fixed groups'}): {cal['source']}, "
+                          f"{cal['rows']}x{cal['tokens']} tokens, {cal['seconds']:.1f} s to "
+                          f"measure ({cal['wall_seconds']:.1f} s with the policy derivation)."]
         lines += self._widths_markdown()
         return lines
 
@@ -231,19 +248,21 @@ class EvalReport:
 
 def frontier_points(runs: list[RunResult]) -> list[RunResult]:
     """The frontier's runs: uniform widths ("bits" group), budgets (and the "currency" run),
-    the hand splits and the peer, each with a steady-state bytes-per-token figure."""
-    return [r for g in ("bits", "budget", "currency", "split", "peer") for r in runs
+    stored-bits budgets ("stored"), the hand splits and the peer, each with a steady-state
+    bytes-per-token figure."""
+    return [r for g in ("bits", "budget", "currency", "stored", "split", "peer") for r in runs
             if r.group == g and r.bytes_per_token]
 
 
 def frontier_dominance(runs: list[RunResult]) -> dict[str, list[str]]:
-    """For each budget run, the uniform-width runs that dominate it: at most its steady-state
-    bytes per token, and lower perplexity. An empty list: not dominated (the target)."""
+    """For each budget run (code or stored bits), the uniform-width runs that dominate it:
+    at most its steady-state bytes per token, and lower perplexity. An empty list: not
+    dominated (the target)."""
     uniform = [r for r in runs if r.group == "bits" and r.bytes_per_token]
     return {
         b.name: [u.name for u in uniform
                  if u.bytes_per_token <= b.bytes_per_token and u.perplexity < b.perplexity]
-        for b in runs if b.group == "budget" and b.bytes_per_token
+        for b in runs if b.group in ("budget", "stored") and b.bytes_per_token
     }
 
 
@@ -267,7 +286,8 @@ def _plots(report: EvalReport, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for group, marker in (("bits", "o"), ("budget", "^"), ("headline", "*"), ("peer", "s")):
+    for group, marker in (("bits", "o"), ("budget", "^"), ("stored", "P"), ("headline", "*"),
+                          ("peer", "s")):
         pts = [r for r in report.runs if r.group == group and r.bits_per_element]
         if pts:
             ax.scatter([r.bits_per_element for r in pts], [r.perplexity for r in pts],
@@ -330,6 +350,7 @@ def _frontier_plot(report: EvalReport, out: Path, plt) -> None:
         for group, label, style in (
             ("bits", "uniform width", "o-"), ("budget", "bit budget", "^-"),
             ("currency", "budget, relative-error currency", "v"),
+            ("stored", "stored-bits budget (groups allocated)", "P-"),
             ("split", "keys/values split by hand", "D"), ("peer", "quanto (peer)", "s"),
         ):
             pts = sorted((r for r in points if r.group == group and r.bytes_per_token),

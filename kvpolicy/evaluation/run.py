@@ -6,7 +6,9 @@ docs/design.md §3): the full-precision cache, the derived policy, its ablations
 the public override API (axes, pre/post-RoPE keys, residual, sinks, bits), bit budgets
 (``FRONTIER_BUDGETS``, allocated from one calibration; the middle one once more from the
 ``relative`` currency of ``budget.CALIBRATION_METRICS``, to show what the default's loss
-weighting buys) and the peer (transformers' quanto ``QuantizedCache``) with its default
+weighting buys), stored-bits budgets (``STORED_BUDGETS``: widths and group sizes allocated,
+scales and zeros counted, from one more calibration; :mod:`kvpolicy.evaluation.stored`)
+and the peer (transformers' quanto ``QuantizedCache``) with its default
 and its best axes, with cache bytes and decode-step wall time beside each perplexity, and
 the KL divergence and top-1 agreement of each run's next-token distributions with the
 full-precision run's on the same steps; the retrieval check
@@ -22,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,8 +45,10 @@ from .decode import NextTokenReference, decode_perplexity
 from .peers import cache_bytes, check_token_groups, peer_cache
 from .report import EvalReport, RetrievalResult, RunResult, frontier_dominance, write_report
 from .retrieval import RetrievalTask, retrieval_task, score_retrieval
+from .stored import QUICK_STORED_GROUPS, STORED_BUDGETS, stored_calibration, stored_specs
 
-__all__ = ["evaluate", "ablations", "FRONTIER_BUDGETS", "RETRIEVAL_BUDGET", "RETRIEVAL_TOKENS"]
+__all__ = ["evaluate", "ablations", "FRONTIER_BUDGETS", "STORED_BUDGETS", "RETRIEVAL_BUDGET",
+           "RETRIEVAL_TOKENS"]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,7 @@ def evaluate(
     retrieval: int | None = None,
     text_file: str | Path | None = None,
     progress: bool = True,
+    stored_budgets: Sequence[float] = STORED_BUDGETS,
 ) -> EvalReport:
     """Run the full comparison; see the module docstring.
 
@@ -134,6 +139,9 @@ def evaluate(
         text_file: a UTF-8 text to cut the segments and retrieval passages from instead of
             the pydoc text (a budget still calibrates on the end of the pydoc text, so that
             the scored text is never the calibration's).
+        stored_budgets: stored-bits budgets of the frontier (rows ``"stored budget B"``,
+            one calibration for all; empty skips them); ``quick`` chooses groups among
+            ``QUICK_STORED_GROUPS``, else among ``GROUP_CHOICES``.
 
     Raises:
         KVPolicyError: ``context + steps`` or ``2 * retrieval`` exceeds the model's positions,
@@ -205,15 +213,20 @@ def evaluate(
             name, group, res.perplexity, res.perplexity / fp.perplexity, mem["bytes"],
             mem["fp16_bytes"], mem["bytes"] * 8 / elems if elems else None,
             res.seconds_per_step * 1e3, spec, avg_bits=pol.avg_bits,
-            bytes_per_token=pol.bytes_per_token(),
+            avg_stored_bits=pol.avg_stored_bits(), bytes_per_token=pol.bytes_per_token(),
             fp16_bytes_per_token=pol.fp16_bytes_per_token,
             measured_bytes_per_token=_packed_bytes_per_token(mem, segs.shape[0]),
             kl=res.kl, top1_agreement=res.agreement,
         )
         if pol.budget is not None:
-            r.settings = {**spec, "budget": pol.budget, "layers": list(pol.layers),
+            r.settings = {**spec, "budget": pol.budget, "budget_unit": pol.budget_unit,
+                          "layers": list(pol.layers),
                           "key_bits": [pol.get(i, "key").bits for i in pol.layers],
                           "value_bits": [pol.get(i, "value").bits for i in pol.layers]}
+            if pol.budget_unit == "stored":  # the group sizes are allocated too
+                r.settings["key_groups"] = [pol.get(i, "key").group_size for i in pol.layers]
+                r.settings["value_groups"] = [pol.get(i, "value").group_size
+                                              for i in pol.layers]
         runs.append(r)
         if retrieve and task is not None:
             res.cache = None
@@ -250,6 +263,12 @@ def evaluate(
     relative = _relative_calibration(load, mid_spec, cal, cal_input, progress)
     run_policy(f"{mid_name}, relative-error currency", "currency", mid_spec,
                calibration=relative)
+    if stored_budgets:  # widths and groups under stored bits, from one more calibration
+        specs = stored_specs(user, stored_budgets, QUICK_STORED_GROUPS if quick else None)
+        frontier["stored"], stored_cal = stored_calibration(load, specs, cal_input, notes,
+                                                            progress)
+        for name, spec in specs:
+            run_policy(name, "stored", spec, calibration=stored_cal)
 
     if peers:
         peer_rows, peer_retrieved = _peer_runs(load, segs, context, steps, fp.perplexity, user,
@@ -471,6 +490,7 @@ def _peer_runs(load, segs, context, steps, fp_ppl, user, per_token, progress, no
              "axes": list(axes),
              "all_axes": {str(a): r.perplexity for a, r in results.items()}},
             avg_bits=float(d.bits), bytes_per_token=steady,
+            avg_stored_bits=steady * 8 / per_token if steady and per_token else None,
             fp16_bytes_per_token=2 * per_token if per_token else None,
             measured_bytes_per_token=_quanto_measured_bytes_per_token(held, per_token, model),
             kl=res.kl, top1_agreement=res.agreement,

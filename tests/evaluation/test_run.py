@@ -14,6 +14,7 @@ from kvpolicy.evaluation import (
     peers,
     run,
 )
+from kvpolicy.evaluation.stored import QUICK_STORED_GROUPS, STORED_BUDGETS
 from kvpolicy.zoo.tiny import tiny_model
 
 
@@ -84,8 +85,9 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
     assert [(r["layer"], r["tensor"]) for r in rows][:2] == [(0, "key"), (0, "value")]
     assert "## Where the tensors are consumed" in (tmp_path / "report.md").read_text()
     # Frontier: budget runs allocated from one calibration, within their budgets; one more
-    # calibration in the relative currency for the middle budget.
-    assert len(calibrations) == 2
+    # calibration in the relative currency for the middle budget, and one for the
+    # stored-bits budgets.
+    assert len(calibrations) == 3
     currency = [r for r in report.runs if r.group == "currency"]
     assert [r.name for r in currency] == ["budget 2.5, relative-error currency"]
     assert currency[0].avg_bits <= 2.5 and currency[0].settings["budget"] == 2.5
@@ -107,7 +109,28 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
         assert r.fp16_bytes_per_token == 2 * elems
     for b in (2, 3, 4):  # the uniform points are the bits ablations, steady state
         assert report.run(f"{b} bits").bytes_per_token == elems * (b / 8 + 4 / 16)
-    assert set(report.frontier["dominated_by"]) == {r.name for r in budgets}
+    # Stored-bits budgets: widths and groups (of QUICK_STORED_GROUPS: 80 tokens pack
+    # none of 64 or 128) allocated from one calibration; codes + an fp16 scale and zero
+    # per group within the budget, by the policy's count and on the cache each run held.
+    stored = [r for r in report.runs if r.group == "stored"]
+    assert [r.name for r in stored] == ["stored budget 2.5", "stored budget 3"]
+    assert report.frontier["stored"]["budgets"] == list(STORED_BUDGETS) == [2.5, 3.0]
+    assert report.frontier["stored"]["groups"] == list(QUICK_STORED_GROUPS)
+    for r, b in zip(stored, STORED_BUDGETS, strict=True):
+        assert r.settings["budget"] == b and r.settings["budget_unit"] == "stored"
+        widths = r.settings["key_bits"] + r.settings["value_bits"]
+        groups = r.settings["key_groups"] + r.settings["value_groups"]
+        assert set(groups) <= set(QUICK_STORED_GROUPS) and set(widths) <= {1, 2, 3, 4, 8}
+        assert r.avg_bits == sum(widths) / 4
+        assert r.avg_stored_bits == pytest.approx(
+            sum(w + 32 / g for w, g in zip(widths, groups, strict=True)) / 4, rel=1e-12)
+        assert r.avg_stored_bits <= b + 1e-9
+        assert r.bytes_per_token == pytest.approx(elems * r.avg_stored_bits / 8, rel=1e-12)
+        assert r.measured_bytes_per_token == pytest.approx(r.bytes_per_token, rel=1e-9)
+        assert r.measured_bytes_per_token * 8 / elems <= b + 1e-9
+        assert r.kl is not None and r.top1_agreement is not None and r.ratio > 0
+    assert stored[1].avg_stored_bits > stored[0].avg_stored_bits  # 3 buys more than 2.5
+    assert set(report.frontier["dominated_by"]) == {r.name for r in budgets + stored}
     budget_json = [r for r in data["runs"] if r["group"] == "budget"]
     assert budget_json[1]["settings"]["value_bits"] == budgets[1].settings["value_bits"]
     assert budget_json[1]["bytes_per_token"] == budgets[1].bytes_per_token
@@ -133,7 +156,13 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
     mid = budgets[1]
     assert f"| budget 2.5 | {mid.avg_bits:.3f} | {mid.bytes_per_token:.1f} |" in md
     assert "### Widths allocated by budget 2.5" in md
-    assert md.count("not dominated") + md.count("dominated by") == 3
+    for r in stored:  # in the frontier table, with its stored bits, KL and top-1
+        assert (f"| {r.name} | {r.avg_bits:.3f} | {r.bytes_per_token:.1f} | "
+                f"{r.avg_stored_bits:.3f} |") in md
+        assert f"{r.kl:.3g} | {r.top1_agreement:.3f} |" in md
+    assert "One more calibration for the stored-bits budgets" in md
+    assert [r["name"] for r in data["runs"] if r["group"] == "stored"] == [r.name for r in stored]
+    assert md.count("not dominated") + md.count("dominated by") == 5
 
 
 def _point(name, group, bytes_per_token, perplexity):
