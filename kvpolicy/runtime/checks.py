@@ -6,7 +6,8 @@ Each check raises ``CacheError`` naming the cause and the fix, before anything i
 Checks of *shapes, dtypes and devices* read only metadata and always run. Checks of the
 *values* (NaN/Inf in keys, values and queries; that the positions a step's RoPE rows show
 are the ones the cache infers) read device data on the host, which on a GPU is a
-synchronisation that stalls the launch queue (docs/design.md §7). :func:`data_checks` says when they run:
+synchronisation that stalls the launch queue (docs/design.md §7). :func:`data_checks`
+says when they run:
 
 - on a CPU tensor, always (the data is already on the host: no stall);
 - on any other device, for calls of more than one token (a prefill, a prompt chunk: one
