@@ -303,8 +303,12 @@ def _install_model_hooks(model: nn.Module, compiled: CompiledModel,
                 f"the model's max_position_embeddings={limit}; shorten the input"
             )
 
-    @functools.wraps(orig_forward)
-    def forward(*args, **kwargs):
+    # The bookkeeping of a model call runs outside dynamo: recursively disabled, it is
+    # never traced, nor is anything it calls (building the layer graphs, a cache).
+    @torch.compiler.disable
+    def enter(args: tuple, kwargs: dict) -> tuple:
+        """Check the call, create its cache where transformers would (into ``kwargs``),
+        bind it for the blocks; returns the tokens :func:`leave` resets."""
         check_length(args, kwargs)
         if kw is not None and has_use_cache:
             use = kwargs.get("use_cache")
@@ -321,18 +325,26 @@ def _install_model_hooks(model: nn.Module, compiled: CompiledModel,
                 block.build_graphs()
             built[0] = True
         scope = _CallScope(compiled)
-        token = _CALL.set(scope)
-        bound = CURRENT.set(AttendContext(layer=None, cache=_call_cache(compiled, scope,
-                                                                          args, kwargs)))
+        return (_CALL.set(scope),
+                CURRENT.set(AttendContext(layer=None,
+                                          cache=_call_cache(compiled, scope, args, kwargs))))
+
+    @torch.compiler.disable
+    def leave(tokens: tuple) -> None:
+        CURRENT.reset(tokens[1])
+        _CALL.reset(tokens[0])
+
+    @functools.wraps(orig_forward)
+    def forward(*args, **kwargs):
+        tokens = enter(args, kwargs)
         try:
             return orig_forward(*args, **kwargs)
         finally:
-            CURRENT.reset(bound)
-            _CALL.reset(token)
+            leave(tokens)
 
-    # Dynamo skips this frame (contextvars and Python bookkeeping, no tensor work) and
-    # compiles what it calls. NOTE: traced, it broke the graph at each of its four
-    # ContextVar set/reset calls, every decode step; skipped, a step is one graph.
+    # Dynamo skips this frame and compiles what it calls: orig_forward. NOTE: traced, it
+    # broke the graph at each of its four ContextVar set/reset calls, every decode step;
+    # skipped, a step is one graph.
     model.forward = torch.compiler.disable(forward, recursive=False)
     if hasattr(model, "generate") and kw is not None:
         orig_generate = model.generate

@@ -20,9 +20,15 @@ not a tensor reaches it in one of two ways:
 * ``layer``: the attention layer index, a constant per layer (each layer's block has its
   own graph). The *cache* is not an argument: it is a per-call Python object, and a
   constant naming it (an id) would be guarded on and recompile for every new cache. The
-  real implementation reads it from ``attend.CURRENT`` at run time, where the installed
-  block forward put it; reading a contextvar there is invisible to dynamo, which never
-  runs the real implementation.
+  real implementation reads it from ``attend.CURRENT`` at run time, where the model's
+  forward bound it for the whole call (and, eagerly, the installed block forward for its
+  layer; ``runtime.install``); reading a contextvar there is invisible to dynamo, which
+  never runs the real implementation.
+
+NOTE: measured with torch 2.13 and transformers 5.24 on every tiny transformers
+architecture of ``zoo.tiny`` (backend "eager", 40-token prefill, 5 decode steps), and on
+nanoGPT, gpt-fast and a left-padded batch: no graph break, one graph per decode step,
+three compiles (prefill, first step, then dynamic shapes), logits equal to eager.
 
 ``mutates_args=()`` is honest: no *tensor* argument is written. What the op changes is the
 cache's Python state, which no graph sees; every call's output is used by the block, so no
