@@ -1,15 +1,31 @@
 """The packed KV-cache format: one contract shared by every backend.
 
 A cached tensor has the Hugging Face layout ``[B, H, T, D]`` (batch, kv heads, tokens,
-head_dim). Quantization is uniform and asymmetric per *group*:
+head_dim). Quantization is asymmetric per *group*, with one of two sets of levels
+(``QuantSpec.levels``):
+
+``"uniform"`` (the default): 2**bits evenly spaced levels from the group's min to its max
 
     zero  = min(group)                       stored in the cache dtype
     scale = (max(group) - min(group)) / (2**bits - 1)   stored in the cache dtype
     code  = clamp(round((x - zero) / scale), 0, 2**bits - 1)  (0 where scale == 0)
-    x̂     = code * scale + zero
+
+``"normal"``: the Lloyd-Max levels of a unit Gaussian (:data:`NORMAL_LEVELS`, minimum
+mean squared error for normal data), placed by the group's mean and standard deviation
+
+    zero  = mean(group)                      stored in the cache dtype
+    scale = sqrt(mean((group - mean)**2))    stored in the cache dtype
+    code  = number of thresholds t_i < (x - zero) / scale   (0 where scale == 0)
+            (t_i: the midpoints between neighbouring levels, :func:`thresholds`)
+
+and in both cases the same dequantization, through the width's table of level values
+(:func:`level_table`: ``0, 1, ..., 2**bits - 1`` for uniform levels)
+
+    x̂     = table[code] * scale + zero
 
 Codes are computed against the *stored* (rounded) scale and zero so that dequantization
-reproduces exactly what the quantizer assumed.
+reproduces exactly what the quantizer assumed. The metadata is the same two numbers per
+group either way, so the stored bytes do not depend on the levels.
 
 Two layouts, named by the axis along which the scales vary (docs/design.md §1):
 
@@ -45,6 +61,7 @@ import them without loading torch.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
@@ -54,7 +71,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "SUPPORTED_BITS", "FULL_PRECISION", "byte_aligned", "QuantSpec", "Packed", "RotarySpec",
+    "SUPPORTED_BITS", "FULL_PRECISION", "LEVELS", "NORMAL_LEVELS", "byte_aligned",
+    "level_table", "thresholds", "QuantSpec", "Packed", "RotarySpec",
 ]
 
 # The code widths the packed layout supports; 16 means "kept in full precision".
@@ -68,21 +86,58 @@ def byte_aligned(n: int, bits: int) -> bool:
     return bits >= FULL_PRECISION or (n * bits) % 8 == 0
 
 AxisName = Literal["channel", "token"]
+LevelsName = Literal["uniform", "normal"]
+LEVELS: tuple[str, ...] = ("uniform", "normal")
+
+# Lloyd-Max quantizer of N(0, 1), 2**bits levels: each level the mean of the normal
+# density between its thresholds (Lloyd's iteration to 1e-13, rounded to 6 digits).
+NORMAL_LEVELS: dict[int, tuple[float, ...]] = {
+    1: (-0.797885, 0.797885),
+    2: (-1.510418, -0.45278, 0.45278, 1.510418),
+    3: (-2.151946, -1.343909, -0.756005, -0.245094, 0.245094, 0.756005, 1.343909, 2.151946),
+    4: (-2.73259, -2.069017, -1.618046, -1.256231, -0.94234, -0.656759, -0.388048,
+        -0.128395, 0.128395, 0.388048, 0.656759, 0.94234, 1.256231, 1.618046, 2.069017,
+        2.73259),
+}
+
+
+def level_table(bits: int, levels: str = "uniform") -> tuple[float, ...]:
+    """The value of each code in units of its group's scale above its zero:
+    ``0, 1, ..., 2**bits - 1`` for uniform levels, :data:`NORMAL_LEVELS` for normal ones."""
+    if levels == "normal":
+        return NORMAL_LEVELS[bits]
+    return tuple(float(c) for c in range(1 << bits))
+
+
+def thresholds(bits: int) -> tuple[float, ...]:
+    """The ``2**bits - 1`` decision thresholds of normal levels: the midpoints between
+    neighbouring levels, rounded to fp32 (a code counts the thresholds below its input)."""
+    table = NORMAL_LEVELS[bits]
+    mids = ((table[i] + table[i + 1]) / 2 for i in range(len(table) - 1))
+    return tuple(struct.unpack("f", struct.pack("f", m))[0] for m in mids)
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How one cached tensor is quantized: code width, group size and scale axis."""
+    """How one cached tensor is quantized: code width, group size, scale axis and levels."""
 
     bits: int
     group_size: int
     axis: AxisName
+    levels: LevelsName = "uniform"
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
             raise CacheError(f"bits={self.bits} is not supported; use one of {SUPPORTED_BITS}")
         if self.axis not in ("channel", "token"):
             raise CacheError(f"axis={self.axis!r} is not 'channel' or 'token'")
+        if self.levels not in LEVELS:
+            raise CacheError(f"levels={self.levels!r} is not one of {LEVELS}")
+        if self.levels == "normal" and self.bits not in NORMAL_LEVELS and not self.full_precision:
+            raise CacheError(
+                f"levels='normal' has tables for bits {tuple(NORMAL_LEVELS)}, not "
+                f"bits={self.bits}; use levels='uniform' at {self.bits} bits"
+            )
         if self.group_size < 1:
             raise CacheError(f"group_size={self.group_size} must be a positive integer")
         if not byte_aligned(self.group_size, self.bits):
@@ -96,6 +151,16 @@ class QuantSpec:
     @property
     def full_precision(self) -> bool:
         return self.bits == FULL_PRECISION
+
+    @property
+    def uniform(self) -> bool:
+        """Evenly spaced levels: a code's value is the code itself (no table lookup)."""
+        return self.levels == "uniform" or self.full_precision
+
+    @property
+    def table(self) -> tuple[float, ...]:
+        """The value of each code, in units of the scale (:func:`level_table`)."""
+        return level_table(self.bits, self.levels)
 
     @property
     def token_group(self) -> int:

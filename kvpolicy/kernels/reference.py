@@ -30,11 +30,13 @@ import torch
 
 from ..errors import CacheError
 from .contract import Backend, compose_decode
-from .layout import Packed, QuantSpec, RotarySpec, byte_aligned
+from .layout import Packed, QuantSpec, RotarySpec, byte_aligned, thresholds
 
 __all__ = [
     "pack_bits",
     "unpack_bits",
+    "encode_groups",
+    "code_values",
     "quantize",
     "dequantize",
     "apply_rope",
@@ -122,13 +124,54 @@ def _grouped(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return x.reshape(b, h, t, d // g, g)
 
 
+def encode_groups(
+    groups: torch.Tensor, spec: QuantSpec, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes, scale and zero of fp32 ``groups [..., G]`` (each group along the last dim),
+    by the rule of ``spec.levels`` (:mod:`kvpolicy.kernels.layout`).
+
+    Returns ``(codes uint8 [..., G], scale [...], zero [...])``, scale and zero in
+    ``dtype``; the codes are computed against the stored (rounded) scale and zero. Shared
+    by the torch backend, so that its codes are bit-identical to these.
+    """
+    if spec.uniform:
+        top = (1 << spec.bits) - 1
+        lo = groups.amin(dim=-1)
+        hi = groups.amax(dim=-1)
+        zero = lo.to(dtype)
+        scale = ((hi - lo) / top).to(dtype)
+    else:
+        mean = groups.mean(dim=-1)
+        zero = mean.to(dtype)
+        scale = (groups - mean.unsqueeze(-1)).square().mean(dim=-1).sqrt().to(dtype)
+    z32 = zero.float().unsqueeze(-1)
+    s32 = scale.float().unsqueeze(-1)
+    safe = torch.where(s32 > 0, s32, torch.ones_like(s32))
+    if spec.uniform:
+        codes = torch.round((groups - z32) / safe).clamp_(0, top)
+    else:
+        # The code counts the thresholds strictly below the normalised input.
+        edges = torch.tensor(thresholds(spec.bits), dtype=torch.float32, device=groups.device)
+        codes = torch.bucketize(((groups - z32) / safe).contiguous(), edges)
+    codes = torch.where(s32 > 0, codes, torch.zeros_like(codes)).to(torch.uint8)
+    return codes, scale, zero
+
+
+def code_values(codes: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """The fp32 value of each code in units of its scale (``spec.table[code]``)."""
+    if spec.uniform:
+        return codes.float()
+    table = torch.tensor(spec.table, dtype=torch.float32, device=codes.device)
+    return table[codes.long()]
+
+
 def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None) -> Packed:
     """Quantize ``x`` into the packed layout of :mod:`kvpolicy.kernels.layout`.
 
     Args:
         x: ``[B, H, T, D]`` float. For ``spec.axis == "channel"`` T must be a multiple of
             ``spec.group_size``; for ``"token"`` D must be.
-        spec: bits, group size, axis.
+        spec: bits, group size, axis, levels.
         dtype: dtype of the stored scale/zero (and of the plain tensor when
             ``spec.bits == 16``); defaults to ``x.dtype``.
     Returns:
@@ -139,18 +182,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
     if spec.full_precision:
         empty = x.new_empty(0, dtype=dtype)
         return Packed(x.to(dtype), empty, empty)
-    levels = (1 << spec.bits) - 1
     groups = _grouped(x, spec).float()  # [..., n_groups_a, n_groups_b, G]
-    lo = groups.amin(dim=-1)
-    hi = groups.amax(dim=-1)
-    # Codes are computed against the *stored* (rounded) scale and zero.
-    zero = lo.to(dtype)
-    scale = ((hi - lo) / levels).to(dtype)
-    z32 = zero.float().unsqueeze(-1)
-    s32 = scale.float().unsqueeze(-1)
-    safe = torch.where(s32 > 0, s32, torch.ones_like(s32))
-    codes = torch.round((groups - z32) / safe).clamp_(0, levels)
-    codes = torch.where(s32 > 0, codes, torch.zeros_like(codes)).to(torch.uint8)
+    codes, scale, zero = encode_groups(groups, spec, dtype)
     b, h, t, d = x.shape
     if spec.axis == "channel":
         # codes [B,H,T//G,D,G]: pack along G, then put D innermost.
@@ -161,7 +194,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
 
 
 def dequantize(p: Packed, spec: QuantSpec, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Reconstruct ``[B, H, T, D]`` from a :class:`Packed` segment (``code*scale + zero``).
+    """Reconstruct ``[B, H, T, D]`` from a :class:`Packed` segment
+    (``table[code] * scale + zero``).
 
     The product is formed in fp32 and cast to ``dtype`` at the end.
     """
@@ -173,13 +207,13 @@ def dequantize(p: Packed, spec: QuantSpec, dtype: torch.dtype = torch.float32) -
             raise CacheError(f"channel-packed codes must be 5-D, got {tuple(codes.shape)}")
         b, h, n, _, d = codes.shape
         g = spec.group_size
-        c = unpack_bits(codes.transpose(3, 4), spec.bits).float()  # [B,H,n,D,G]
+        c = code_values(unpack_bits(codes.transpose(3, 4), spec.bits), spec)  # [B,H,n,D,G]
         x = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
         return x.transpose(3, 4).reshape(b, h, n * g, d).to(dtype)
     if codes.dim() != 4:
         raise CacheError(f"token-packed codes must be 4-D, got {tuple(codes.shape)}")
     b, h, t, _ = codes.shape
-    c = unpack_bits(codes, spec.bits).float()  # [B,H,T,D]
+    c = code_values(unpack_bits(codes, spec.bits), spec)  # [B,H,T,D]
     d = c.shape[-1]
     c = c.reshape(b, h, t, d // spec.group_size, spec.group_size)
     x = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)

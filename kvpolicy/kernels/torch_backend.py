@@ -163,34 +163,26 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
         return Packed(x.to(dtype), empty, empty)
     b, h, t, d = x.shape
     g = spec.group_size
-    levels = (1 << spec.bits) - 1
     if spec.axis == "channel":
         if t % g != 0:
             raise CacheError(
                 f"per-channel quantization needs whole token groups: T={t} is not a "
                 f"multiple of group_size={g}; keep the remainder in the residual window"
             )
-        groups = x.reshape(b, h, t // g, g, d).float()  # reduce over dim 3
-        red = 3
+        # The reference's view (each group along the last dim), so that the reductions
+        # and the codes are bit-identical to it.
+        groups = x.reshape(b, h, t // g, g, d).float().transpose(3, 4)
     else:
         if d % g != 0:
             raise CacheError(
                 f"per-token quantization needs whole channel groups: head_dim={d} is not a "
                 f"multiple of group_size={g}; use a group_size that divides {d}"
             )
-        groups = x.reshape(b, h, t, d // g, g).float()  # reduce over dim 4
-        red = 4
-    lo, hi = groups.amin(dim=red), groups.amax(dim=red)
-    zero = lo.to(dtype)
-    scale = ((hi - lo) / levels).to(dtype)
-    z32 = zero.float().unsqueeze(red)
-    s32 = scale.float().unsqueeze(red)
-    safe = torch.where(s32 > 0, s32, torch.ones_like(s32))
-    codes = torch.round((groups - z32) / safe).clamp_(0, levels)
-    codes = torch.where(s32 > 0, codes, torch.zeros_like(codes)).to(torch.uint8)
+        groups = x.reshape(b, h, t, d // g, g).float()
+    codes, scale, zero = reference.encode_groups(groups, spec, dtype)
     if spec.axis == "channel":
-        # [B,H,n,G,D] -> stream along G -> [B,H,n,G*bits/8,D]
-        packed = pack_bits(codes.transpose(3, 4), spec.bits).transpose(3, 4).contiguous()
+        # [B,H,n,D,G] -> stream along G -> [B,H,n,G*bits/8,D]
+        packed = pack_bits(codes, spec.bits).transpose(3, 4).contiguous()
     else:
         packed = pack_bits(codes.reshape(b, h, t, d), spec.bits)
     return Packed(packed, scale.contiguous(), zero.contiguous())
@@ -203,15 +195,15 @@ def dequantize(p: Packed, spec: QuantSpec, dtype: torch.dtype = torch.float32) -
     codes, scale, zero = p
     if spec.axis == "channel":
         b, h, n, _, d = codes.shape
-        c = unpack_bits(codes.transpose(3, 4), spec.bits)  # [B,H,n,D,G]
+        c = reference.code_values(unpack_bits(codes.transpose(3, 4), spec.bits), spec)
         # Not addcmul: its fused multiply-add rounds once and would differ from the reference.
-        x = c.float() * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+        x = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
         return x.transpose(3, 4).reshape(b, h, n * spec.group_size, d).to(dtype)
     b, h, t, _ = codes.shape
-    c = unpack_bits(codes, spec.bits)
+    c = reference.code_values(unpack_bits(codes, spec.bits), spec)
     d = c.shape[-1]
     c = c.reshape(b, h, t, d // spec.group_size, spec.group_size)
-    x = c.float() * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    x = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
     return x.reshape(b, h, t, d).to(dtype)
 
 
@@ -433,6 +425,8 @@ def _cpp_supported(
         and v_spec.axis == "token"
         and k_spec.bits in _CPP_BITS
         and v_spec.bits in _CPP_BITS
+        and k_spec.uniform
+        and v_spec.uniform
         and (
             rope is None
             or (rope.style in ("rotate_half", "interleaved") and rope.rotary_dim % 2 == 0
