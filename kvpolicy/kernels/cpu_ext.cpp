@@ -1,7 +1,8 @@
 // Fused decode attention over the packed KV cache (kvpolicy.kernels.cpu_ext builds and
 // loads it through ctypes; see that module for what it covers). Specialised per library
 // by -D: KVP_KB/KVP_VB (bits), KVP_GK/KVP_GV (group sizes), KVP_DK/KVP_DV (head dims),
-// KVP_HALF (rotary_dim / 2) and KVP_SDT (storage type of scales, zeros and fp tokens).
+// KVP_HALF (rotary_dim / 2), KVP_SDT (storage type of scales, zeros and fp tokens) and
+// KVP_KLUT/KVP_VLUT (1: a code's value is table[code], Params.klut/vlut; 0: the code itself).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -15,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 extern "C" {
@@ -44,6 +46,9 @@ struct Params {
   float* out;                                // [B, Hq, Tq, Dv]
   float* lse;                                // [B, Hq, Tq]
   float softcap;                             // > 0: s = softcap * tanh(s / softcap); 0: none
+  // level tables, 2**bits fp32 each: non-null exactly when built with KVP_KLUT / KVP_VLUT
+  const float* klut;
+  const float* vlut;
 };
 }
 
@@ -97,6 +102,40 @@ inline float to_f32(uint16_t h) {
 }
 #endif
 constexpr int64_t Dk = KVP_DK, Dv = KVP_DV, Gk = KVP_GK, Gv = KVP_GV;
+constexpr bool KLUT = KVP_KLUT != 0, VLUT = KVP_VLUT != 0;
+
+// A level table padded to 16 entries (the most 4-bit codes need), so that vector loads of
+// it never read past the caller's 2**bits floats.
+struct Levels {
+  alignas(32) float v[16];
+  Levels(const float* t, int bits) {
+    std::fill(v, v + 16, 0.f);
+    std::copy(t, t + std::min(1 << bits, 16), v);
+  }
+};
+// What a uniform build holds instead: nothing, so that its stack frame and code stay what
+// they were before level tables existed.
+struct NoLevels {
+  NoLevels(const float*, int) {}
+};
+template <bool LUT, int BITS>  // BITS only makes the choice depend on run_item's parameters
+using LevelsOf = std::conditional_t<LUT && (BITS > 0), Levels, NoLevels>;
+
+#if defined(__AVX2__)
+// table[idx] for 8 codes of <= 4 bits: one in-register permute per 8 entries (vpermps
+// reads only the low 3 bits of each index), bit 3 of the index picking the upper half.
+template <int BITS>
+inline __m256 lookup8(const Levels& t, __m256i idx) {
+  static_assert(BITS <= 4, "level tables have at most 16 entries");
+  const __m256 lo = _mm256_permutevar8x32_ps(_mm256_load_ps(t.v), idx);
+  if constexpr (BITS <= 3) {
+    return lo;
+  } else {
+    const __m256 hi = _mm256_permutevar8x32_ps(_mm256_load_ps(t.v + 8), idx);
+    return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+  }
+}
+#endif
 
 // exp(x) for x <= 0 (and -inf), relative error ~2e-7, written so that gcc vectorises it.
 inline float exp_neg(float x) {
@@ -152,6 +191,27 @@ inline void rope_rows(const Params& P, float* K, int64_t nt, const int64_t* pos)
   }
 }
 
+// One key row of a level-table spec: kr[d] = table[code of channel d] * sc[d] + zc[d], the
+// codes at bit `shift` of each channel's unit word.
+template <int KB>
+inline void key_levels(const Levels& t, const uint32_t* wrow, int shift, const float* sc,
+                       const float* zc, float* kr) {
+  constexpr uint32_t mask = Unit<KB>::mask;
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (KB <= 4) {
+    const __m256i maskv = _mm256_set1_epi32((int)mask);
+    for (; d + 8 <= Dk; d += 8) {
+      const __m256i w = _mm256_loadu_si256((const __m256i*)(wrow + d));
+      const __m256i idx = _mm256_and_si256(_mm256_srli_epi32(w, shift), maskv);
+      _mm256_storeu_ps(kr + d, _mm256_fmadd_ps(lookup8<KB>(t, idx), _mm256_loadu_ps(sc + d),
+                                               _mm256_loadu_ps(zc + d)));
+    }
+  }
+#endif
+  for (; d < Dk; ++d) kr[d] = t.v[((wrow[d] >> shift) & mask) & 15u] * sc[d] + zc[d];
+}
+
 // One work item: tokens [t0, tn) of one segment (packed or full precision) of one batch
 // row, for every kv head (so the rotary rows of the chunk are reused across heads from L1/L2).
 // Writes per kv head and query row the chunk's softmax max/sum and unnormalised output.
@@ -166,6 +226,8 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
   constexpr int64_t vbytes = Dv * VB / 8, ngv = Dv / Gv;
   constexpr int64_t nvu = Dv / VU::per;  // units per value row
   std::vector<float> S(R * n), accp(R * Dv);
+  const LevelsOf<KLUT, KB> klt(P.klut, KB);
+  const LevelsOf<VLUT, VB> vlt(P.vlut, VB);
   alignas(64) float K[Gk * Dk];
   alignas(64) uint32_t wrow[Dk];
   const int64_t* pos = FP ? (P.fpos ? P.fpos + b * P.fpos_sb : nullptr)
@@ -198,8 +260,12 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
           }
           for (int k = 0; k < KU::per; ++k) {
             float* kr = K + (u * KU::per + k) * Dk;
-            for (int64_t d = 0; d < Dk; ++d)
-              kr[d] = (float)((wrow[d] >> (k * KB)) & KU::mask) * sc[d] + zc[d];
+            if constexpr (KLUT) {
+              key_levels<KB>(klt, wrow, k * KB, sc, zc, kr);
+            } else {
+              for (int64_t d = 0; d < Dk; ++d)
+                kr[d] = (float)((wrow[d] >> (k * KB)) & KU::mask) * sc[d] + zc[d];
+            }
           }
         }
       }
@@ -306,9 +372,15 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
             const __m256i bits = _mm256_and_si256(
                 _mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts), maskv);
             const int64_t g = c0 / Gv;
-            _mm256_store_ps(vrow + c0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(bits),
-                                                       _mm256_set1_ps(stt[g]),
-                                                       _mm256_set1_ps(ztt[g])));
+            if constexpr (VLUT) {
+              _mm256_store_ps(vrow + c0, _mm256_fmadd_ps(lookup8<VB>(vlt, bits),
+                                                         _mm256_set1_ps(stt[g]),
+                                                         _mm256_set1_ps(ztt[g])));
+            } else {
+              _mm256_store_ps(vrow + c0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(bits),
+                                                         _mm256_set1_ps(stt[g]),
+                                                         _mm256_set1_ps(ztt[g])));
+            }
           }
           continue;
         }
@@ -316,8 +388,13 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
         for (int64_t u = 0; u < nvu; ++u) {
           uint32_t w = row[u * VU::bytes];
           for (int j = 1; j < VU::bytes; ++j) w |= (uint32_t)row[u * VU::bytes + j] << (8 * j);
-          for (int k = 0; k < VU::per; ++k)
-            vrow[u * VU::per + k] = (float)((w >> (k * VB)) & VU::mask);
+          if constexpr (VLUT) {
+            for (int k = 0; k < VU::per; ++k)
+              vrow[u * VU::per + k] = vlt.v[(w >> (k * VB)) & VU::mask & 15u];
+          } else {
+            for (int k = 0; k < VU::per; ++k)
+              vrow[u * VU::per + k] = (float)((w >> (k * VB)) & VU::mask);
+          }
         }
         for (int64_t g = 0; g < ngv; ++g)
           for (int64_t e = 0; e < Gv; ++e) vrow[g * Gv + e] = vrow[g * Gv + e] * stt[g] + ztt[g];
@@ -475,7 +552,7 @@ void run(const Params& P) {
 // inner loop has a compile-time trip count.
 extern "C" int kvp_packed_attention(const Params* P, int kbits, int vbits) {
   if (kbits != KVP_KB || vbits != KVP_VB || P->Dk != KVP_DK || P->Dv != KVP_DV ||
-      P->sdt != KVP_SDT ||
+      P->sdt != KVP_SDT || (P->klut != nullptr) != KLUT || (P->vlut != nullptr) != VLUT ||
       P->Gk != KVP_GK || P->Gv != KVP_GV || (P->rope_style != 0 && P->half != KVP_HALF))
     return 1;
   run<KVP_KB, KVP_VB>(*P);

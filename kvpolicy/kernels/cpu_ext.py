@@ -10,16 +10,19 @@ row, merged by log-sum-exp at the end. Each packed byte is read once per call; n
 dequantized cache is ever materialised.
 
 Covered (everything else falls back to the eager torch path): key axis "channel" and
-value axis "token", bits in {1, 2, 3, 4, 8} each, no RoPE or rotate_half / interleaved,
-with or without logit soft-capping (a run-time field, not a ``-D``: no extra libraries).
+value axis "token", bits in {1, 2, 3, 4, 8} each, uniform or normal levels for keys and
+values each (a normal spec's code is looked up in its level table, passed as fp32), no
+RoPE or rotate_half / interleaved, with or without logit soft-capping (a run-time field,
+not a ``-D``: no extra libraries).
 Queries are passed as pre-scaled fp32; scales, zeros and full-precision tokens in their
 storage dtype (fp32, bf16 or fp16), widened inside the kernel.
 
 The C++ source is ``cpu_ext.cpp`` next to this module. Each library is specialised by
-``-D`` (bits, group sizes, head dims, rotary width, storage dtype) so every inner loop has
-a compile-time trip count, and is built with the C++ compiler (:func:`compiler`) on first
-use into ``~/.cache/kvpolicy/cpu_ext/<hash>-<config>/`` (the hash covers the source, the
-flags and the CPU's feature flags, because of ``-march=native``).
+``-D`` (bits, group sizes, head dims, rotary width, storage dtype, level table or not) so
+every inner loop has a compile-time trip count and a uniform spec runs no table lookup,
+and is built with the C++ compiler (:func:`compiler`) on first use into
+``~/.cache/kvpolicy/cpu_ext/<hash>-<config>/`` (the hash covers the source, the flags and
+the CPU's feature flags, because of ``-march=native``).
 
 Two entry points: :func:`build` raises :class:`BuildError` with the compiler's output when
 a library cannot be built (what the tests call); :func:`load`, what the torch backend
@@ -102,6 +105,7 @@ class Params(ctypes.Structure):
         ("sdt", ctypes.c_int64),
         ("out", ctypes.c_void_p), ("lse", ctypes.c_void_p),
         ("softcap", ctypes.c_float),
+        ("klut", ctypes.c_void_p), ("vlut", ctypes.c_void_p),
     ]
 
 
@@ -120,7 +124,8 @@ def _cpu_flags() -> str:
     return ""
 
 
-_DEFINES = ("KVP_KB", "KVP_VB", "KVP_GK", "KVP_GV", "KVP_DK", "KVP_DV", "KVP_HALF", "KVP_SDT")
+_DEFINES = ("KVP_KB", "KVP_VB", "KVP_GK", "KVP_GV", "KVP_DK", "KVP_DV", "KVP_HALF", "KVP_SDT",
+            "KVP_KLUT", "KVP_VLUT")
 
 
 def _build_dir(config: tuple[int, ...]) -> Path:
@@ -139,17 +144,19 @@ def compiler() -> str | None:
 
 
 def build(
-    kbits: int, vbits: int, gk: int, gv: int, dk: int, dv: int, half: int = 0, sdt: int = 0
+    kbits: int, vbits: int, gk: int, gv: int, dk: int, dv: int, half: int = 0, sdt: int = 0,
+    klut: int = 0, vlut: int = 0,
 ) -> ctypes.CDLL:
     """The kernel library for these bits, group sizes, head dims, rotary half-width (0: no
-    RoPE) and storage type of scales/zeros/fp tokens (0 fp32, 1 bf16, 2 fp16), compiled
-    on first use and kept on disk.
+    RoPE), storage type of scales/zeros/fp tokens (0 fp32, 1 bf16, 2 fp16) and levels of
+    keys / values (``klut``/``vlut`` 1: a level table, ``Params.klut``/``vlut``, is looked
+    up; 0: uniform, the code is its own value), compiled on first use and kept on disk.
 
     Raises:
         BuildError: no compiler is installed, the compiler failed (the message carries its
             output), or the library does not load.
     """
-    config = (kbits, vbits, gk, gv, dk, dv, half, sdt)
+    config = (kbits, vbits, gk, gv, dk, dv, half, sdt, klut, vlut)
     out = _build_dir(config)
     so = out / "libkvpolicy_cpu.so"
     if not so.exists():
@@ -184,7 +191,8 @@ def build(
 
 
 def load(
-    kbits: int, vbits: int, gk: int, gv: int, dk: int, dv: int, half: int = 0, sdt: int = 0
+    kbits: int, vbits: int, gk: int, gv: int, dk: int, dv: int, half: int = 0, sdt: int = 0,
+    klut: int = 0, vlut: int = 0,
 ) -> ctypes.CDLL | None:
     """:func:`build`, or None if the library cannot be built: the caller then uses the
     eager path, and the reason is logged once at warning level. Cached per configuration.
@@ -192,7 +200,7 @@ def load(
     """
     if os.environ.get("KVPOLICY_NO_CPP", "") not in ("", "0"):
         return None
-    key = (kbits, vbits, gk, gv, dk, dv, half, sdt)
+    key = (kbits, vbits, gk, gv, dk, dv, half, sdt, klut, vlut)
     if key in _libs:
         return _libs[key]
     with _lock:

@@ -307,7 +307,8 @@ def fused_attention(
     half = 0 if rope is None else rope.rotary_dim // 2
     store = _storage_dtype(k, v, fk, fv)
     lib = cpu_ext.load(k_spec.bits, v_spec.bits, k_spec.group_size, v_spec.group_size,
-                        q.shape[-1], dv, half, _SDT[store])
+                        q.shape[-1], dv, half, _SDT[store], int(not k_spec.uniform),
+                        int(not v_spec.uniform))
     if lib is None:
         return None
     return _cpp_attention(lib, q, k, v, k_spec, v_spec, fk, fv, scale, mask, fp_mask, rope,
@@ -425,8 +426,6 @@ def _cpp_supported(
         and v_spec.axis == "token"
         and k_spec.bits in _CPP_BITS
         and v_spec.bits in _CPP_BITS
-        and k_spec.uniform
-        and v_spec.uniform
         and (
             rope is None
             or (rope.style in ("rotate_half", "interleaved") and rope.rotary_dim % 2 == 0
@@ -575,6 +574,11 @@ def _cpp_attention(
         p.kpos, p.kpos_sb = kpos.data_ptr(), kpos.stride(0)
         p.cosc, p.sinc, p.rope_rs = cos.data_ptr(), sin.data_ptr(), cos.stride(0)
         p.half, p.rope_style = rope.rotary_dim // 2, 1 if rope.style == "rotate_half" else 2
+    for spec, field in ((k_spec, "klut"), (v_spec, "vlut")):
+        if not spec.uniform:  # a null table is what tells the kernel "uniform"
+            table = torch.tensor(spec.table, dtype=torch.float32)
+            keep.append(table)
+            setattr(p, field, table.data_ptr())
     if lib.kvp_packed_attention(ctypes.byref(p), k_spec.bits, v_spec.bits) != 0:
         raise CacheError(f"CPU kernel was built for another spec than {k_spec}/{v_spec}")
     del keep
