@@ -9,8 +9,11 @@ in one run with their repetitions interleaved; the table shows medians. Interlea
 means every call starts with caches disturbed by the other methods, as a decode step does
 inside a model: the packed step measured ~0.5 ms faster at 8K when timed alone.
 The machine is shared: the header prints the load average, read the ratios with it.
+``--levels uniform normal`` times one packed cache per set of levels (keys and values
+both), side by side in the same interleaved run.
 
     .venv/bin/python bench/cpu_attention.py [--threads 2] [--tokens 1024 8192]
+        [--levels uniform normal]
 """
 
 from __future__ import annotations
@@ -38,22 +41,30 @@ def rotary(max_positions: int) -> RotarySpec:
     return RotarySpec("rotate_half", D, ang.cos().float(), ang.sin().float())
 
 
-def methods(tokens: int, rope: RotarySpec, bits: int) -> dict[str, Callable[[], object]]:
+def packed_name(bits: int, levels: str, all_levels: list[str]) -> str:
+    return f"packed {bits}-bit" if all_levels == ["uniform"] else f"{levels} {bits}-bit"
+
+
+def methods(
+    tokens: int, rope: RotarySpec, bits: int, levels: list[str]
+) -> dict[str, Callable[[], object]]:
+    """The timed calls: one packed layer per entry of ``levels``, then the two SDPAs."""
     g = torch.Generator().manual_seed(tokens)
     k = torch.randn(1, HKV, tokens, D, generator=g)
     v = torch.randn(1, HKV, tokens, D, generator=g)
     q = torch.randn(1, HQ, 1, D, generator=g)
-    layer = PackedKVLayer(
-        QuantSpec(bits, 32, "channel"), QuantSpec(bits, 32, "token"),
-        residual=128, sinks=4, rope=rope, backend="torch",
-    )
-    layer.append(k, v)
+    fns: dict[str, Callable[[], object]] = {}
+    for lv in levels:
+        layer = PackedKVLayer(
+            QuantSpec(bits, 32, "channel", lv), QuantSpec(bits, 32, "token", lv),
+            residual=128, sinks=4, rope=rope, backend="torch",
+        )
+        layer.append(k, v)
+        fns[packed_name(bits, lv, levels)] = lambda layer=layer: layer.attend(q)
     kb, vb, qb = k.bfloat16(), v.bfloat16(), q.bfloat16()
-    return {
-        f"packed {bits}-bit": lambda: layer.attend(q),
-        "SDPA fp32": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-        "SDPA bf16": lambda: F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True),
-    }
+    fns["SDPA fp32"] = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    fns["SDPA bf16"] = lambda: F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)
+    return fns
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], budget_s: float) -> dict[str, float]:
@@ -82,26 +93,33 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--bits", type=int, default=2)
     parser.add_argument("--budget", type=float, default=3.0, help="seconds per size")
+    parser.add_argument("--levels", nargs="+", default=["uniform"],
+                        choices=("uniform", "normal"), help="one packed cache per entry")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rope = rotary(max(args.tokens) + 1)
-    native = cpu_ext.load(args.bits, args.bits, 32, 32, D, D, D // 2) is not None
+    native = all(
+        cpu_ext.load(args.bits, args.bits, 32, 32, D, D, D // 2, 0, lut, lut) is not None
+        for lut in {int(lv == "normal") for lv in args.levels}
+    )
     print(f"torch {torch.__version__}, {args.threads} threads, load average "
           f"{os.getloadavg()[0]:.2f}, C++ kernel: {'yes' if native else 'no (eager path)'}")
     rows = []
     for t in args.tokens:
-        med = time_interleaved(methods(t, rope, args.bits), args.budget)
+        med = time_interleaved(methods(t, rope, args.bits, args.levels), args.budget)
         rows.append((t, med))
     names = list(rows[0][1])
-    packed = names[0]
+    packed = [packed_name(args.bits, lv, args.levels) for lv in args.levels]
+    tags = ["packed"] if len(packed) == 1 else args.levels
     head = f"{'tokens':>7} " + " ".join(f"{n + ' ms':>16}" for n in names)
-    head += f" {'packed/fp32':>11} {'packed/bf16':>11}"
+    head += "".join(f" {tag + '/fp32':>11} {tag + '/bf16':>11}" for tag in tags)
     print(head)
     print("-" * len(head))
     for t, med in rows:
         line = f"{t:>7} " + " ".join(f"{1e3 * med[n]:>16.3f}" for n in names)
-        r32, r16 = med[packed] / med["SDPA fp32"], med[packed] / med["SDPA bf16"]
-        line += f" {r32:>10.2f}x {r16:>10.2f}x"
+        for p in packed:
+            r32, r16 = med[p] / med["SDPA fp32"], med[p] / med["SDPA bf16"]
+            line += f" {r32:>10.2f}x {r16:>10.2f}x"
         print(line)
 
 
