@@ -1,6 +1,7 @@
 """What the Triton kernel modules share: how Triton runs here, and the host side of the
 attention kernels (layout checks, strides, RoPE and mask arguments, split counts, the
-autotune configs and their prune filter).
+autotune configs and their prune filter, the level and threshold tables of non-uniform
+levels).
 
 :mod:`kvpolicy.kernels.triton_attention` (one packed segment) and
 :mod:`kvpolicy.kernels.triton_decode` (a packed and a full-precision segment in one
@@ -17,13 +18,13 @@ import torch
 import triton
 
 from ..errors import CacheError
-from .layout import Packed, QuantSpec, RotarySpec
+from .layout import Packed, QuantSpec, RotarySpec, thresholds
 
 __all__ = [
     "interpreting", "compile_ahead", "ROPE_STYLES", "ATTENTION_CONFIGS",
     "keep_attention_config", "packed_dims", "kernel_strides", "inner_extent", "fast_layout",
     "choose_splits", "plan_splits", "dots_in_fp32", "rope_arguments", "mask_arguments",
-    "check_softcap", "channel_blocks",
+    "check_softcap", "channel_blocks", "level_lut", "threshold_table",
 ]
 
 ROPE_STYLES = {None: 0, "rotate_half": 1, "interleaved": 2}
@@ -51,7 +52,10 @@ def compile_ahead(
     """Compile ``kernel`` ahead of time (no GPU needed) with the argument specialisation the
     runtime would pick: ints equal to 1 become constants, pointers and ints that are
     multiples of 16 carry divisibility 16 (except the kernel's ``do_not_specialize``
-    arguments, plain i32 as at run time). ``target`` defaults to sm_90 (H100/H200).
+    arguments, plain i32 as at run time). An argument with a default (the level tables
+    and their flags) that ``ptrs``, ``consts`` and ``floats`` do not name is the constant
+    of its default, as a launch that passes it None or False. ``target`` defaults to
+    sm_90 (H100/H200).
 
     Args:
         ints: value of every integer argument; ptrs: Triton pointer type of every pointer
@@ -67,9 +71,13 @@ def compile_ahead(
     plain = {p.name for p in fn.params if p.do_not_specialize}
     consts = dict(consts)
     sig, attrs = {}, {}
+    defaults = {p.name: p.default for p in fn.params if p.has_default}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
+        elif name in defaults and name not in ptrs and name not in floats:
+            sig[name] = "constexpr"
+            consts[name] = defaults[name]
         elif name in ptrs:
             sig[name] = ptrs[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -312,6 +320,36 @@ def mask_arguments(
             f"mask of shape {tuple(mask.shape)} does not broadcast to {tuple(shape)}"
         ) from e
     return mask_t, mask_t.stride()
+
+
+# Tables already on a device: a decode step must not copy one from the host (a copy per
+# layer and step, and no copy can happen inside a captured CUDA graph).
+_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _device_table(kind: str, bits: int, values: tuple[float, ...],
+                  device: torch.device) -> torch.Tensor:
+    key = (kind, bits, torch.device(device))
+    table = _TABLES.get(key)
+    if table is None:
+        table = torch.tensor(values, dtype=torch.float32, device=device)
+        _TABLES[key] = table
+    return table
+
+
+def level_lut(spec: QuantSpec, device: torch.device) -> torch.Tensor | None:
+    """The fp32 value of each code (``spec.table``) on ``device`` for non-uniform levels,
+    cached per device and width; None for uniform levels and full precision, whose
+    kernels take a code's value from the code itself (``K_LUT``/``V_LUT`` False)."""
+    if spec.uniform:
+        return None
+    return _device_table(spec.levels, spec.bits, spec.table, device)
+
+
+def threshold_table(bits: int, device: torch.device) -> torch.Tensor:
+    """The fp32 thresholds of normal levels (:func:`kvpolicy.kernels.layout.thresholds`)
+    on ``device``, cached per device and width."""
+    return _device_table("thresholds", bits, thresholds(bits), device)
 
 
 def check_softcap(softcap: float | None) -> None:

@@ -7,12 +7,13 @@ key/value tile is unpacked from its codes, scaled in registers (``code * scale +
 fp32, as :func:`kvpolicy.kernels.reference.dequantize`) and, for keys stored before
 RoPE, rotated at each key's own position; a dequantized cache is never materialised.
 
-The policy is baked into the kernel as ``tl.constexpr``: bits, group size and scale axis
-of each tensor (both layouts for both K and V), RoPE style and rotary_dim, head dims and
-GQA ratio. Pre-RoPE keys are read as two channel sets that a rotation pairs (``i`` and
-``i + r/2`` for rotate_half, ``2i`` and ``2i+1`` for interleaved) plus the pass-through
-channels ``>= r``; the score is the sum of three dot products, so every code is read
-once and no register shuffle is needed.
+The policy is baked into the kernel as ``tl.constexpr``: bits, group size, scale axis and
+levels of each tensor (both layouts for both K and V; non-uniform levels read a small fp32
+table of code values), RoPE style and rotary_dim, head dims and GQA ratio. Pre-RoPE keys
+are read as two channel sets that a rotation pairs (``i`` and ``i + r/2`` for rotate_half,
+``2i`` and ``2i+1`` for interleaved) plus the pass-through channels ``>= r``; the score
+is the sum of three dot products, so every code is read once and no register shuffle is
+needed.
 
 The key loop and the tile reads are device functions of
 :mod:`kvpolicy.kernels.triton_dequant` (a generic gather for any layout and
@@ -48,6 +49,7 @@ from ._triton_util import (
     interpreting,
     keep_attention_config,
     kernel_strides,
+    level_lut,
     mask_arguments,
     packed_dims,
     plan_splits,
@@ -72,7 +74,7 @@ _merge_splits_kernel = merge_splits_kernel
 @triton.autotune(
     configs=ATTENTION_CONFIGS,
     key=["rows_bucket", "split_bucket", "K_BITS", "K_CHANNEL", "V_BITS", "V_CHANNEL", "ROPE", "DK",
-         "SOFTCAP"],
+         "SOFTCAP", "K_LUT", "V_LUT"],
     prune_configs_by={"early_config_prune": keep_attention_config},
 )
 @triton.jit
@@ -121,6 +123,10 @@ def _packed_attention_kernel(
     BLOCK_P: tl.constexpr,  # next_power_of_2(DK - ROT_DIM), >= 16
     BLOCK_DV: tl.constexpr,  # next_power_of_2(DV), >= 16
     BLOCK_N: tl.constexpr,  # keys per tile (autotuned)
+    # Last, with defaults: a launch or an ahead-of-time compile that names none of them
+    # gets the uniform kernel.
+    K_LUT: tl.constexpr = False, V_LUT: tl.constexpr = False,  # non-uniform levels
+    klut_ptr=None, vlut_ptr=None,  # fp32 level tables of the keys / values (K_LUT / V_LUT)
 ):
     tl.static_assert(ROT_DIM % 2 == 0 and ROT_DIM <= DK, "rotary_dim must be even and <= DK")
     tl.static_assert((ROPE == 0) == (ROT_DIM == 0), "ROT_DIM is set exactly when ROPE is")
@@ -153,12 +159,12 @@ def _packed_attention_kernel(
     m_i, l_i, acc = attend_keys(
         m_i, l_i, acc, q_ptr, q_a, q_b, ch_a, ch_b, r_ok, q_p, ch_p, p_ok, ch_v, v_ok,
         kc_ptr + b * skc_b + kvh * skc_h, ks_ptr + b * sks_b + kvh * sks_h,
-        kz_ptr + b * sks_b + kvh * sks_h, skc_0, skc_1, skc_2, sks_0, sks_1,
+        kz_ptr + b * sks_b + kvh * sks_h, skc_0, skc_1, skc_2, sks_0, sks_1, klut_ptr,
         vc_ptr + b * svc_b + kvh * svc_h, vs_ptr + b * svs_b + kvh * svs_h,
-        vz_ptr + b * svs_b + kvh * svs_h, svc_0, svc_1, svc_2, svs_0, svs_1,
+        vz_ptr + b * svs_b + kvh * svs_h, svc_0, svc_1, svc_2, svs_0, svs_1, vlut_ptr,
         pos_ptr + b * sp_b, sp_t, cos_ptr, sin_ptr, sr_p, sr_d,
         mask_ptr + b * sm_b + hq * sm_h + tq * sm_q, sm_k, row_ok, start, end, scale, softcap,
-        K_BITS, K_GROUP, K_CHANNEL, K_FAST, V_BITS, V_GROUP, V_CHANNEL, V_FAST, DV,
+        K_BITS, K_GROUP, K_CHANNEL, K_LUT, K_FAST, V_BITS, V_GROUP, V_CHANNEL, V_LUT, V_FAST, DV,
         ROPE, HAS_PASS, HAS_MASK, SOFTCAP, DOT_F32, MATH_F16, BLOCK_M, BLOCK_N,
     )
     row_out = ((b * (n_kv_heads * GQA) + hq) * q_len + tq) * n_splits + pid_s  # [BLOCK_M]
@@ -189,7 +195,8 @@ def packed_attention_partial(
             fp32 queries use IEEE fp32 dot products; half-precision queries use tensor
             cores with the dequantized tiles cast to q's dtype (fp32 accumulation).
         k, v: packed ``[B, Hkv, Tk, D]`` segments in the layouts of ``k_spec``/``v_spec``
-            (any of bits 1, 2, 3, 4, 8, 16 and either axis); ``Hq % Hkv == 0``.
+            (any of bits 1, 2, 3, 4, 8, 16, either axis, uniform or normal levels);
+            ``Hq % Hkv == 0``.
         k_spec, v_spec: how each segment was quantized.
         scale: multiplies ``q·k``.
         mask: additive float mask broadcastable to ``[B, Hq, Tq, Tk]`` (``-inf`` hides
@@ -265,6 +272,7 @@ def packed_attention_partial(
 
     out = torch.empty((b, hq, tq, splits, dv), device=device, dtype=torch.float32)
     lse = torch.empty((b, hq, tq, splits), device=device, dtype=torch.float32)
+    klut, vlut = level_lut(k_spec, device), level_lut(v_spec, device)
     _packed_attention_kernel[(b * hkv, m_blocks, splits)](
         q, k.codes, ks, kz, v.codes, vs, vz, pos, cos, sin, mask_t, out, lse,
         hkv, n_rows, tq, tk, split_len, splits,
@@ -285,6 +293,7 @@ def packed_attention_partial(
         MATH_F16=q.dtype == torch.float16,
         BLOCK_M=block_m,
         **channel_blocks(rot_dim, dk, dv),
+        K_LUT=klut is not None, V_LUT=vlut is not None, klut_ptr=klut, vlut_ptr=vlut,
     )
     if splits == 1:
         return out.squeeze(3), lse.squeeze(3)

@@ -22,6 +22,11 @@ temporaries per layer per step; here both segments are programs of **one** launc
   the kernel's output is the result. At most two launches per call, and no host sync
   with ``check_positions=False``.
 
+Keys and values with non-uniform levels (``QuantSpec.levels == "normal"``) are read
+through their fp32 level tables (``klut_ptr``/``vlut_ptr``, one small tensor per device
+and width, :func:`kvpolicy.kernels._triton_util.level_lut`) under the constexpr flags
+``K_LUT``/``V_LUT``: a uniform policy compiles without them.
+
 Queries may be fp32 (IEEE fp32 dots), fp16 or bf16 (dots in that dtype on tensor cores,
 fp32 accumulation and softmax statistics). Dequantization runs in fp16 for fp16 queries
 (exact for the codes; a rounding of 2**-11, far below a quantization step) and in fp32
@@ -52,6 +57,7 @@ from ._triton_util import (
     inner_extent,
     keep_attention_config,
     kernel_strides,
+    level_lut,
     mask_arguments,
     packed_dims,
     plan_splits,
@@ -83,7 +89,7 @@ _PER_STEP = [
 @triton.autotune(
     configs=ATTENTION_CONFIGS,
     key=["rows_bucket", "split_bucket", "K_BITS", "K_CHANNEL", "V_BITS", "V_CHANNEL", "ROPE", "DK",
-         "SOFTCAP", "HAS_PACKED", "HAS_FP"],
+         "SOFTCAP", "HAS_PACKED", "HAS_FP", "K_LUT", "V_LUT"],
     prune_configs_by={"early_config_prune": keep_attention_config},
 )
 @triton.jit(do_not_specialize=_PER_STEP)
@@ -129,6 +135,10 @@ def _decode_kernel(
     MATH_F16: tl.constexpr,  # fp16 queries: dequantize and rotate in fp16
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    # Last, with defaults: a launch or an ahead-of-time compile that names none of them
+    # gets the uniform kernel.
+    K_LUT: tl.constexpr = False, V_LUT: tl.constexpr = False,  # non-uniform packed levels
+    klut_ptr=None, vlut_ptr=None,  # fp32 level tables of the packed keys / values
 ):
     tl.static_assert(ROT_DIM % 2 == 0 and ROT_DIM <= DK, "rotary_dim must be even and <= DK")
     tl.static_assert((ROPE == 0) == (ROT_DIM == 0), "ROT_DIM is set exactly when ROPE is")
@@ -165,13 +175,14 @@ def _decode_kernel(
             m_i, l_i, acc = attend_keys(
                 m_i, l_i, acc, q_ptr, q_a, q_b, ch_a, ch_b, r_ok, q_p, ch_p, p_ok, ch_v, v_ok,
                 kc_ptr + b * skc_b + kvh * skc_h, ks_ptr + b * sks_b + kvh * sks_h,
-                kz_ptr + b * sks_b + kvh * sks_h, skc_0, skc_1, skc_2, sks_0, sks_1,
+                kz_ptr + b * sks_b + kvh * sks_h, skc_0, skc_1, skc_2, sks_0, sks_1, klut_ptr,
                 vc_ptr + b * svc_b + kvh * svc_h, vs_ptr + b * svs_b + kvh * svs_h,
-                vz_ptr + b * svs_b + kvh * svs_h, svc_0, svc_1, svc_2, svs_0, svs_1,
+                vz_ptr + b * svs_b + kvh * svs_h, svc_0, svc_1, svc_2, svs_0, svs_1, vlut_ptr,
                 pos_ptr + b * sp_b, sp_t, cos_ptr, sin_ptr, sr_p, sr_d,
                 mask_ptr + b * sm_b + hq * sm_h + tq * sm_q, sm_k, row_ok,
                 start, tl.minimum(start + split_len, kv_len), scale, softcap,
-                K_BITS, K_GROUP, K_CHANNEL, K_FAST, V_BITS, V_GROUP, V_CHANNEL, V_FAST, DV,
+                K_BITS, K_GROUP, K_CHANNEL, K_LUT, K_FAST,
+                V_BITS, V_GROUP, V_CHANNEL, V_LUT, V_FAST, DV,
                 ROPE, HAS_PASS, HAS_MASK, SOFTCAP, DOT_F32, MATH_F16, BLOCK_M, BLOCK_N,
             )
     else:
@@ -182,12 +193,12 @@ def _decode_kernel(
             # Plain tensors through the 16-bit path: codes are the values, no scale.
             m_i, l_i, acc = attend_keys(
                 m_i, l_i, acc, q_ptr, q_a, q_b, ch_a, ch_b, r_ok, q_p, ch_p, p_ok, ch_v, v_ok,
-                fk, fk, fk, sfk_t, sfk_d, 0, 0, 0,
-                fv, fv, fv, sfv_t, sfv_d, 0, 0, 0,
+                fk, fk, fk, sfk_t, sfk_d, 0, 0, 0, None,
+                fv, fv, fv, sfv_t, sfv_d, 0, 0, 0, None,
                 fpos_ptr + b * sfp_b, sfp_t, cos_ptr, sin_ptr, sr_p, sr_d,
                 fmask_ptr + b * sfm_b + hq * sfm_h + tq * sfm_q, sfm_k, row_ok,
                 start, tl.minimum(start + fp_split_len, fp_len), scale, softcap,
-                16, 1, False, False, 16, 1, False, False, DV,
+                16, 1, False, False, False, 16, 1, False, False, False, DV,
                 ROPE, HAS_PASS, HAS_FP_MASK, SOFTCAP, DOT_F32, MATH_F16, BLOCK_M, BLOCK_N,
             )
     row_out = ((b * (n_kv_heads * GQA) + hq) * q_len + tq) * n_splits + sid  # [BLOCK_M]
@@ -252,7 +263,7 @@ def decode_attention(
     Args:
         q: ``[B, Hq, Tq, D]`` fp32, fp16 or bf16, already rotated by the model.
         k, v: the packed segment ``[B, Hkv, Tk, D]`` in the layouts of ``k_spec``/``v_spec``
-            (any bits, either axis), or both None.
+            (any bits, either axis, uniform or normal levels), or both None.
         fk, fv: the full-precision segment ``[B, Hkv, Tf, D]`` in any float dtype (the
             model's), or both None. At least one segment must be given.
         scale, softcap: multiply ``q·k``; cap each score in fp32 before the masks.
@@ -358,6 +369,7 @@ def decode_attention(
     out = torch.empty((b, hq, tq, splits, dv), device=device, dtype=torch.float32)
     lse = torch.empty((b, hq, tq, splits), device=device, dtype=torch.float32)
     fk_t, fv_t = (fk, fv) if has_fp else (q, q)
+    klut, vlut = level_lut(k_spec, device), level_lut(v_spec, device)
     _decode_kernel[(b * hkv, m_blocks, splits)](
         q, k.codes, ks, kz, v.codes, vs, vz, pos, mask_t, fk_t, fv_t, fpos, fmask_t, cos, sin,
         out, lse,
@@ -377,6 +389,7 @@ def decode_attention(
         HAS_MASK=mask is not None and has_packed, HAS_FP_MASK=fp_mask is not None and has_fp,
         SOFTCAP=softcap is not None, DOT_F32=dots_in_fp32(q.dtype),
         MATH_F16=q.dtype == torch.float16, BLOCK_M=block_m, **channel_blocks(rot_dim, dq, dv),
+        K_LUT=klut is not None, V_LUT=vlut is not None, klut_ptr=klut, vlut_ptr=vlut,
     )
     if splits == 1:
         return out.squeeze(3), lse.squeeze(3)
@@ -424,9 +437,9 @@ def warm_up_decode(
     """Compile (and on a GPU autotune) the decode kernel of one layer's policy ahead of the
     first step, by launching :func:`decode_attention` on tiny inputs of batch 1.
 
-    A compiled variant is fixed by the policy's widths and layouts, the head shape, the
-    dtypes of every tensor (positions int64, as the runtime builds them), the RoPE style
-    and rotary_dim, softcap, and which segments exist; the autotuner also keys on buckets
+    A compiled variant is fixed by the policy's widths, layouts and levels, the head
+    shape, the dtypes of every tensor (positions int64, as the runtime builds them), the
+    RoPE style and rotary_dim, softcap, and which segments exist; the autotuner also keys on buckets
     of the query rows and the split length. Lengths that change per step are not
     specialised, so one warm launch per segment layout covers every later step of that
     layout and bucket.

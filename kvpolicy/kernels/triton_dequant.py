@@ -10,8 +10,11 @@ size, or a plain 16-bit tensor; one load per element for the code, scale and zer
 byte-at-a-time fast paths for the common layouts (per-channel keys in whole groups,
 :func:`load_keys`; per-token values, :func:`dequant_token_rows`; bits 1, 2, 4, 8 and
 power-of-two groups) that load each byte once and each scale once per group. Every tile
-is ``code * scale + zero`` in fp32 (fp16 for fp16 queries), as
-:func:`kvpolicy.kernels.reference.dequantize`.
+is ``value * scale + zero`` in fp32 (fp16 for fp16 queries), as
+:func:`kvpolicy.kernels.reference.dequantize`. A code's value is the code itself for
+uniform levels; for non-uniform ones (``LUT``, a constexpr: uniform tiles compile without
+it) it is read from the fp32 level table at ``lut_ptr`` (``QuantSpec.table``, 2-16
+entries, cached on the device by :func:`kvpolicy.kernels._triton_util.level_lut`).
 
 Attending: :func:`query_sets` loads a program's query rows as the channel sets a rotation
 pairs, :func:`attend_keys` runs the online softmax of those rows over one range of a
@@ -44,11 +47,13 @@ def dequant_tile(
     tok,  # [N] int32 token indices inside the segment
     ch,  # [C] channel indices
     ok,  # [N, C] which elements exist
+    lut_ptr,  # fp32 value of each code (LUT); None otherwise
     BITS: tl.constexpr,  # code width, or 16 for a plain tensor
     GROUP: tl.constexpr,  # group size G
     CHANNEL_AXIS: tl.constexpr,  # True: groups of G tokens per channel; False: G channels
+    LUT: tl.constexpr,  # non-uniform levels: a code's value is lut_ptr[code]
 ):
-    """Dequantized fp32 ``[N, C]`` tile of one packed tensor (``code * scale + zero``)."""
+    """Dequantized fp32 ``[N, C]`` tile of one packed tensor (``value * scale + zero``)."""
     t2 = tok[:, None]
     c2 = ch[None, :]
     if BITS == 16:
@@ -72,7 +77,10 @@ def dequant_tile(
         code = (raw >> shift) & ((1 << BITS) - 1)
         scale = tl.load(s_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
         zero = tl.load(z_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
-        x = _code_to_f32(code) * scale + zero
+        if LUT:
+            x = tl.load(lut_ptr + code) * scale + zero  # masked elements read code 0
+        else:
+            x = _code_to_f32(code) * scale + zero
     return x
 
 
@@ -86,16 +94,23 @@ def _code_to_f32(code):
 
 
 @triton.jit
-def _dequant(codes, scale, zero, F16: tl.constexpr):
-    """``code * scale + zero`` in fp32, or in fp16 (codes < 1024 are exact there).
+def _dequant(codes, scale, zero, lut_ptr, F16: tl.constexpr, LUT: tl.constexpr):
+    """``value * scale + zero`` in fp32, or in fp16 (codes < 1024 are exact there; a
+    table value rounds once, to 2**-11 relative).
 
     fp16 rounding (2**-11) is far below a 2-8 bit quantization step; fp32 and bf16 queries
-    keep fp32.
+    keep fp32. ``value`` is the code, or ``lut_ptr[code]`` with ``LUT``.
     """
     # NOTE: fp16 math for fp16 queries (packed HFMA2, no fp16<->fp32 conversions) cut the
     # key loop of the sm_90 decode kernel by 22-23% (bench/sm90_static.py: 4096 -> 3176
     # thread-instructions per key at head_dim 128, 2124 -> 1629 at 64).
-    if F16:
+    if LUT:
+        c = tl.load(lut_ptr + codes)
+        if F16:
+            x = c.to(tl.float16) * scale.to(tl.float16) + zero.to(tl.float16)
+        else:
+            x = c * scale.to(tl.float32) + zero.to(tl.float32)
+    elif F16:
         c = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
         x = c * scale.to(tl.float16) + zero.to(tl.float16)
     else:
@@ -114,10 +129,12 @@ def _dequant_channel_groups(
     n_end,  # tokens from n_end on are not read (end of the split)
     ch,  # [C] channel indices
     ch_ok,  # [C] which channels exist
+    lut_ptr,  # fp32 value of each code (LUT); None otherwise
     BITS: tl.constexpr,  # code width dividing 8
     GROUP: tl.constexpr,  # G, a power of two dividing BLOCK_N
     BLOCK_N: tl.constexpr,  # tokens in the tile
     F16: tl.constexpr,  # compute in fp16 (fp16 queries) instead of fp32
+    LUT: tl.constexpr,  # non-uniform levels (see _dequant)
 ):
     """Fast path of :func:`dequant_tile` for whole groups of per-channel codes.
 
@@ -140,7 +157,7 @@ def _dequant_channel_groups(
     s_ok = g_ok[:, None] & ch_ok[None, :]
     scale = tl.load(s_ptr + s_off, mask=s_ok, other=0.0)
     zero = tl.load(z_ptr + s_off, mask=s_ok, other=0.0)
-    x = _dequant(codes, scale[:, None, :], zero[:, None, :], F16)
+    x = _dequant(codes, scale[:, None, :], zero[:, None, :], lut_ptr, F16, LUT)
     return tl.reshape(x, [BLOCK_N, ch.shape[0]])
 
 
@@ -153,10 +170,12 @@ def dequant_token_rows(
     ss_0, ss_1,  # scale strides: token, channel group
     tok,  # [N] token indices
     tok_ok,  # [N] which tokens exist
+    lut_ptr,  # fp32 value of each code (LUT); None otherwise
     BITS: tl.constexpr,  # code width dividing 8
     GROUP: tl.constexpr,  # G, a power of two dividing D
     D: tl.constexpr,  # head dim, a power of two
     F16: tl.constexpr,  # compute in fp16 (fp16 queries) instead of fp32
+    LUT: tl.constexpr,  # non-uniform levels (see _dequant)
 ):
     """Fast path of :func:`dequant_tile` for whole rows of per-token codes: each byte is
     loaded once and split in registers, scale and zero once per (token, group)."""
@@ -175,7 +194,7 @@ def dequant_token_rows(
     s_ok = tok_ok[:, None] & (jg[None, :] >= 0)
     scale = tl.load(s_ptr + s_off, mask=s_ok, other=0.0)
     zero = tl.load(z_ptr + s_off, mask=s_ok, other=0.0)
-    x = _dequant(codes, scale[:, :, None], zero[:, :, None], F16)
+    x = _dequant(codes, scale[:, :, None], zero[:, :, None], lut_ptr, F16, LUT)
     return tl.reshape(x, [tok.shape[0], D])
 
 
@@ -189,7 +208,9 @@ def load_keys(
     tok_ok,  # [N] which tokens exist
     ch,  # [C] channel indices
     ch_ok,  # [C] which channels exist
+    lut_ptr,  # fp32 value of each code (LUT); None otherwise
     BITS: tl.constexpr, GROUP: tl.constexpr, CHANNEL_AXIS: tl.constexpr,  # key policy
+    LUT: tl.constexpr,  # non-uniform levels (see dequant_tile)
     FAST: tl.constexpr,  # whole per-channel groups with BITS dividing 8 (host-checked)
     BLOCK_N: tl.constexpr,  # tokens in the tile
     F16: tl.constexpr,  # return fp16 (fp16 queries) instead of fp32
@@ -197,10 +218,11 @@ def load_keys(
     """Dequantized ``[N, C]`` key tile, by the fast path where the layout allows."""
     if FAST and BLOCK_N % GROUP == 0:
         x = _dequant_channel_groups(c_ptr, s_ptr, z_ptr, sc_0, sc_1, sc_2, ss_0, ss_1, n0,
-                                    n_end, ch, ch_ok, BITS, GROUP, BLOCK_N, F16)
+                                    n_end, ch, ch_ok, lut_ptr, BITS, GROUP, BLOCK_N, F16, LUT)
     else:
         x = dequant_tile(c_ptr, s_ptr, z_ptr, sc_0, sc_1, sc_2, ss_0, ss_1, tok, ch,
-                          tok_ok[:, None] & ch_ok[None, :], BITS, GROUP, CHANNEL_AXIS)
+                          tok_ok[:, None] & ch_ok[None, :], lut_ptr, BITS, GROUP,
+                          CHANNEL_AXIS, LUT)
         if F16:
             x = x.to(tl.float16)
     return x
@@ -265,8 +287,10 @@ def attend_keys(
     ch_v, v_ok,  # value channels [BLOCK_DV] and which exist
     kc, ks, kz,  # keys of this (batch, kv head): codes (or plain), scale, zero
     skc_0, skc_1, skc_2, sks_0, sks_1,  # their strides (see dequant_tile)
+    klut,  # fp32 value of each key code (K_LUT); None otherwise
     vc, vs, vz,  # values of this (batch, kv head)
     svc_0, svc_1, svc_2, svs_0, svs_1,  # their strides
+    vlut,  # fp32 value of each value code (V_LUT); None otherwise
     pos_row, sp_t,  # positions of this batch row's keys and their stride (ROPE != 0)
     cos_ptr, sin_ptr, sr_p, sr_d,  # rotary tables and their strides (ROPE != 0)
     mask_rows, sm_k,  # [BLOCK_M] pointers to each row's mask, key stride (HAS_MASK)
@@ -274,9 +298,9 @@ def attend_keys(
     start, end,  # keys [start, end) of the segment
     scale, softcap,
     K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_CHANNEL: tl.constexpr,
-    K_FAST: tl.constexpr,
+    K_LUT: tl.constexpr, K_FAST: tl.constexpr,
     V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_CHANNEL: tl.constexpr,
-    V_FAST: tl.constexpr, DV: tl.constexpr,
+    V_LUT: tl.constexpr, V_FAST: tl.constexpr, DV: tl.constexpr,
     ROPE: tl.constexpr, HAS_PASS: tl.constexpr, HAS_MASK: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, MATH_F16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -296,11 +320,11 @@ def attend_keys(
         if ROPE != 0:
             ok = tok_ok[:, None] & r_ok[None, :]
             k_a = load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, end, tok,
-                            tok_ok, ch_a, r_ok, K_BITS, K_GROUP, K_CHANNEL, K_FAST, BLOCK_N,
-                            MATH_F16)
+                            tok_ok, ch_a, r_ok, klut, K_BITS, K_GROUP, K_CHANNEL, K_LUT, K_FAST,
+                            BLOCK_N, MATH_F16)
             k_b = load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, end, tok,
-                            tok_ok, ch_b, r_ok, K_BITS, K_GROUP, K_CHANNEL, K_FAST, BLOCK_N,
-                            MATH_F16)
+                            tok_ok, ch_b, r_ok, klut, K_BITS, K_GROUP, K_CHANNEL, K_LUT, K_FAST,
+                            BLOCK_N, MATH_F16)
             # Both channels of a pair turn by the same angle (RotarySpec's table layout),
             # so one gather of the table at the first channel serves both.
             pos = tl.load(pos_row + tok * sp_t, mask=tok_ok, other=0)
@@ -313,8 +337,8 @@ def attend_keys(
             s += qk(q_b, rot_b, DOT_F32)
         if HAS_PASS:
             k_p = load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, end, tok,
-                            tok_ok, ch_p, p_ok, K_BITS, K_GROUP, K_CHANNEL, K_FAST, BLOCK_N,
-                            MATH_F16)
+                            tok_ok, ch_p, p_ok, klut, K_BITS, K_GROUP, K_CHANNEL, K_LUT, K_FAST,
+                            BLOCK_N, MATH_F16)
             s += qk(q_p, k_p, DOT_F32)
         s = s * scale
         if SOFTCAP:
@@ -335,11 +359,12 @@ def attend_keys(
         p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if V_FAST:
-            v = dequant_token_rows(vc, vs, vz, svc_0, svc_1, svs_0, svs_1, tok, tok_ok,
-                                   V_BITS, V_GROUP, DV, MATH_F16)
+            v = dequant_token_rows(vc, vs, vz, svc_0, svc_1, svs_0, svs_1, tok, tok_ok, vlut,
+                                   V_BITS, V_GROUP, DV, MATH_F16, V_LUT)
         else:
             v = dequant_tile(vc, vs, vz, svc_0, svc_1, svc_2, svs_0, svs_1, tok, ch_v,
-                             tok_ok[:, None] & v_ok[None, :], V_BITS, V_GROUP, V_CHANNEL)
+                             tok_ok[:, None] & v_ok[None, :], vlut, V_BITS, V_GROUP,
+                             V_CHANNEL, V_LUT)
         if DOT_F32:
             pv = tl.dot(p, v, input_precision="ieee")
         else:

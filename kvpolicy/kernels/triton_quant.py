@@ -11,6 +11,15 @@ the cache dtype, and packs the codes computed against the *stored* values, exact
 :func:`kvpolicy.kernels.reference.quantize` does (same fp32 operations, IEEE division,
 round half to even), so the codes are bit-identical.
 
+Normal levels (``NORMAL``, a constexpr: the uniform kernel compiles without them) take the
+group's mean and population deviation in two fp32 passes over the tile, and the code of
+an element is the number of thresholds (:func:`kvpolicy.kernels.layout.thresholds`,
+read from a small fp32 table) strictly below ``(x - zero) / scale``, as
+``torch.bucketize`` in the reference. The reference's mean and deviation come from torch
+reductions that sum in another order, so a scale or zero can differ from it by one
+rounding of the cache dtype, and the codes of an element near a threshold with it; with
+equal scale and zero the codes are equal.
+
 Packing works in *chunks*: ``CH = 8 // gcd(bits, 8)`` codes fill ``CB = CH * bits // 8``
 whole bytes (8 codes -> 3 bytes at 3 bits). ``G * bits % 8 == 0`` makes every group a
 whole number of chunks, so a program assembles each chunk in an int32 and writes its CB
@@ -26,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..errors import CacheError
-from ._triton_util import interpreting
+from ._triton_util import interpreting, threshold_table
 from .layout import Packed, QuantSpec
 
 __all__ = ["quantize"]
@@ -79,7 +88,7 @@ def _round_to_bf16(x):
 
 @triton.autotune(
     configs=_QUANT_CONFIGS,
-    key=["lane_bucket", "GROUP", "BITS"],
+    key=["lane_bucket", "GROUP", "BITS", "NORMAL"],
     prune_configs_by={"early_config_prune": _keep_quant_config},
 )
 @triton.jit
@@ -108,6 +117,8 @@ def _quantize_pack_kernel(
     BLOCK_W: tl.constexpr,  # next_power_of_2(G // CH), chunks per group
     STORE_BF16: tl.constexpr,  # scale/zero are bfloat16 (round to nearest-even by hand)
     BLOCK_L: tl.constexpr,  # lanes per program (autotuned)
+    NORMAL: tl.constexpr = False,  # normal levels: mean and deviation, codes by thresholds
+    thr_ptr=None,  # fp32 thresholds [2**BITS - 1], ascending (NORMAL)
 ):
     tl.static_assert(BITS >= 1 and BITS <= 8, "BITS must be 1..8")
     tl.static_assert((GROUP * BITS) % 8 == 0, "every group must start on a byte boundary")
@@ -125,19 +136,27 @@ def _quantize_pack_kernel(
     lane_ok = lanes < n_lanes
     x_base = x_ptr + b * sx_b + h * sx_h + pid_n * GROUP * sx_e
 
-    # Pass 1: the group's min and max per lane, in fp32 like the reference.
+    # Pass 1: the group's min and max (uniform) or mean and deviation (normal) per lane,
+    # in fp32 like the reference.
     e = tl.arange(0, BLOCK_G)
     ok = (e[:, None] < GROUP) & lane_ok[None, :]
     tile = tl.load(x_base + e[:, None] * sx_e + lanes[None, :] * sx_l, mask=ok, other=0.0)
     tile = tile.to(tl.float32)
-    lo = tl.min(tl.where(ok, tile, float("inf")), axis=0)  # [BLOCK_L]
-    hi = tl.max(tl.where(ok, tile, float("-inf")), axis=0)
-    lo = tl.where(lane_ok, lo, 0.0)  # padding lanes: keep them finite
-    hi = tl.where(lane_ok, hi, 0.0)
+    if NORMAL:
+        n = tl.full([BLOCK_L], GROUP, tl.float32)
+        mean = tl.div_rn(tl.sum(tl.where(ok, tile, 0.0), axis=0), n)  # [BLOCK_L]
+        dev = tl.where(ok, tile - mean[None, :], 0.0)
+        zero_st = mean  # padding lanes read zeros: mean 0, deviation 0
+        scale_st = tl.sqrt_rn(tl.div_rn(tl.sum(dev * dev, axis=0), n))
+    else:
+        lo = tl.min(tl.where(ok, tile, float("inf")), axis=0)  # [BLOCK_L]
+        hi = tl.max(tl.where(ok, tile, float("-inf")), axis=0)
+        lo = tl.where(lane_ok, lo, 0.0)  # padding lanes: keep them finite
+        hi = tl.where(lane_ok, hi, 0.0)
+        scale_st = tl.div_rn(hi - lo, tl.full(hi.shape, LEVELS, tl.float32))
+        zero_st = lo
 
     # Store scale/zero in the cache dtype; compute codes against the stored values.
-    scale_st = tl.div_rn(hi - lo, tl.full(hi.shape, LEVELS, tl.float32))
-    zero_st = lo
     if STORE_BF16:
         zero_st = _round_to_bf16(zero_st)
         scale_st = _round_to_bf16(scale_st)
@@ -159,8 +178,14 @@ def _quantize_pack_kernel(
         e_k = w * CH + k
         xv = tl.load(x_base + e_k[:, None] * sx_e + lanes[None, :] * sx_l, mask=w_ok, other=0.0)
         y = tl.div_rn(xv.to(tl.float32) - z32[None, :], safe[None, :])
-        q = tl.minimum(tl.maximum(_round_half_even(y), 0.0), LEVELS)
-        q = tl.where(has_range[None, :], q, 0.0).to(tl.int32)
+        if NORMAL:
+            q = tl.zeros([BLOCK_W, BLOCK_L], dtype=tl.int32)
+            for i in tl.static_range(LEVELS):
+                q += (y > tl.load(thr_ptr + i)).to(tl.int32)
+            q = tl.where(has_range[None, :], q, 0)
+        else:
+            q = tl.minimum(tl.maximum(_round_half_even(y), 0.0), LEVELS)
+            q = tl.where(has_range[None, :], q, 0.0).to(tl.int32)
         word = word | (q << (k * BITS))
 
     c_base = codes_ptr + b * sc_b + h * sc_h + pid_n * sc_n + lanes[None, :] * sc_l
@@ -176,12 +201,13 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
         x: ``[B, H, T, D]`` float16/bfloat16/float32 (any strides). For
             ``spec.axis == "channel"`` T must be a multiple of ``spec.group_size``; for
             ``"token"`` D must be.
-        spec: bits, group size, axis.
+        spec: bits, group size, axis, levels.
         dtype: dtype of the stored scale/zero (and of the plain tensor at 16 bits);
             defaults to ``x.dtype``.
     Returns:
         :class:`Packed` with contiguous tensors, bit-identical to
-        :func:`kvpolicy.kernels.reference.quantize`:
+        :func:`kvpolicy.kernels.reference.quantize` for uniform levels (for normal ones
+        up to the summation order of the mean and deviation: see the module docstring):
         channel: codes uint8 ``[B, H, T//G, G*bits//8, D]``, scale/zero ``[B, H, T//G, D]``;
         token: codes uint8 ``[B, H, T, D*bits//8]``, scale/zero ``[B, H, T, D//G]``.
 
@@ -245,5 +271,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
         BLOCK_G=triton.next_power_of_2(g),
         BLOCK_W=triton.next_power_of_2(g // ch),
         STORE_BF16=dtype == torch.bfloat16,
+        NORMAL=not spec.uniform,
+        thr_ptr=None if spec.uniform else threshold_table(bits, x.device),
     )
     return Packed(codes, scale, zero)

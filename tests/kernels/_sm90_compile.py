@@ -4,7 +4,9 @@ Run by ``test_triton_compile.py`` in a subprocess *without* ``TRITON_INTERPRET``
 interpreter executes kernels as Python and accepts programs that the compiler rejects
 (typed early returns, shape or dtype mismatches in untaken ``constexpr`` branches), so
 this is the only check of the compiled path on a machine without a GPU. Prints one line
-per compiled variant and exits non-zero on the first failure.
+per compiled variant and exits non-zero on the first failure. The variants with normal
+levels compile the level-table reads (``K_LUT``/``V_LUT``) and the threshold codes of the
+quantize kernel; the others leave those arguments at their defaults, as uniform launches.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from kvpolicy.kernels import triton_attention as ta
+from kvpolicy.kernels import triton_decode as td
 from kvpolicy.kernels import triton_quant as tq
-from kvpolicy.kernels._triton_util import compile_ahead
+from kvpolicy.kernels._triton_util import channel_blocks, compile_ahead
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -28,8 +31,19 @@ def _compile(kernel, ints: dict, ptrs: dict, consts: dict, floats=(), warps=4, s
                          num_warps=warps, num_stages=stages)
 
 
-def attention(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, mask=False, block_n=64):
-    """One attention variant: ``kaxis``/``vaxis`` are "channel" or "token"."""
+def _levels(consts: dict, ptrs: dict, k_lut: bool, v_lut: bool) -> None:
+    """Add the level-table flags and pointers of normal-level keys / values."""
+    consts.update(K_LUT=k_lut, V_LUT=v_lut)
+    if k_lut:
+        ptrs["klut_ptr"] = "*fp32"
+    if v_lut:
+        ptrs["vlut_ptr"] = "*fp32"
+
+
+def attention(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, mask=False, block_n=64,
+              k_lut=False, v_lut=False):
+    """One attention variant: ``kaxis``/``vaxis`` are "channel" or "token"; ``k_lut`` /
+    ``v_lut``: normal levels (None pointers and False flags otherwise, as at run time)."""
     g = 32
     t = 4096
     ints = {n: 64 for n in ta._packed_attention_kernel.arg_names}  # strides, sizes
@@ -53,16 +67,45 @@ def attention(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, mask=False, bl
         BLOCK_P=max(16, triton.next_power_of_2(max(d - rot, 1))),
         BLOCK_DV=triton.next_power_of_2(d), BLOCK_N=block_n,
     )
+    _levels(consts, ptrs, k_lut, v_lut)
     return _compile(ta._packed_attention_kernel, ints, ptrs, consts, floats=("scale",))
 
 
-def quantize(bits, g, sdt):
+def decode(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, k_lut=False, v_lut=False):
+    """One variant of the fused decode kernel (both segments, fp16 cache)."""
+    g = 32
+    ints = {n: 64 for n in td._decode_kernel.arg_names}
+    ints.update(q_len=1, sq_d=1, skc_2=1, sks_1=1, svc_2=1, svs_1=1, sp_t=1, sfk_d=1, sfv_d=1,
+                sfp_t=1, sr_d=1, n_rows=gqa)
+    ptrs = dict(
+        q_ptr=f"*{qdt}", kc_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vc_ptr="*u8",
+        vs_ptr="*fp16", vz_ptr="*fp16", pos_ptr="*i64", mask_ptr="*fp32", fk_ptr="*fp16",
+        fv_ptr="*fp16", fpos_ptr="*i64", fmask_ptr="*fp32", cos_ptr="*fp16", sin_ptr="*fp16",
+        out_ptr="*fp32", lse_ptr="*fp32",
+    )
+    kspec, vspec = ta.QuantSpec(kb, g, kaxis), ta.QuantSpec(vb, g, vaxis)
+    consts = dict(
+        GQA=gqa, DK=d, DV=d, K_BITS=kb, K_GROUP=g, K_CHANNEL=kaxis == "channel",
+        V_BITS=vb, V_GROUP=g, V_CHANNEL=vaxis == "channel",
+        K_FAST=ta._fast_layout(kspec, "channel", d), V_FAST=ta._fast_layout(vspec, "token", d),
+        ROPE=rope, ROT_DIM=rot, HAS_PACKED=True, HAS_FP=True, HAS_MASK=False,
+        HAS_FP_MASK=False, SOFTCAP=False, DOT_F32=qdt == "fp32", MATH_F16=qdt == "fp16",
+        BLOCK_M=16, BLOCK_N=64, **channel_blocks(rot, d, d),
+    )
+    _levels(consts, ptrs, k_lut, v_lut)
+    return _compile(td._decode_kernel, ints, ptrs, consts, floats=("scale", "softcap"))
+
+
+def quantize(bits, g, sdt, normal=False):
     ints = {n: 64 for n in tq._quantize_pack_kernel.arg_names}
     ints.update(sx_l=1, sc_l=1, ss_l=1)
     ptrs = dict(x_ptr="*fp16", codes_ptr="*u8", scale_ptr=f"*{sdt}", zero_ptr=f"*{sdt}")
     ch = 8 // math.gcd(bits, 8)
     consts = dict(BITS=bits, GROUP=g, CH=ch, BLOCK_G=triton.next_power_of_2(g),
-                  BLOCK_W=triton.next_power_of_2(g // ch), STORE_BF16=sdt == "bf16", BLOCK_L=64)
+                  BLOCK_W=triton.next_power_of_2(g // ch), STORE_BF16=sdt == "bf16", BLOCK_L=64,
+                  NORMAL=normal)
+    if normal:
+        ptrs["thr_ptr"] = "*fp32"
     return _compile(tq._quantize_pack_kernel, ints, ptrs, consts, warps=2)
 
 
@@ -90,6 +133,18 @@ def main() -> int:
                           dict(DV=128, BLOCK_S=8, BLOCK_DV=128))),
         ("quantize 2-bit fp16 scales", lambda: quantize(2, 32, "fp16")),
         ("quantize 3-bit bf16 scales", lambda: quantize(3, 32, "bf16")),
+        # normal levels: table reads on the fast paths (fp16 math) and in the gathers
+        ("attn fp16 K2ch V4tok normal levels, fast paths",
+         lambda: attention("fp16", 2, "channel", 4, "token", 1, 128, k_lut=True, v_lut=True)),
+        ("attn fp32 K3ch normal, V3ch uniform, partial+mask",
+         lambda: attention("fp32", 3, "channel", 3, "channel", 1, 32, mask=True, k_lut=True)),
+        ("decode fp16 K2ch uniform, V2tok normal",
+         lambda: decode("fp16", 2, "channel", 2, "token", 1, 128, v_lut=True)),
+        ("decode bf16 K4tok V3ch normal d80",
+         lambda: decode("bf16", 4, "token", 3, "channel", 1, 64, d=80, k_lut=True,
+                        v_lut=True)),
+        ("quantize 4-bit normal fp16 scales", lambda: quantize(4, 32, "fp16", normal=True)),
+        ("quantize 3-bit normal bf16 scales", lambda: quantize(3, 32, "bf16", normal=True)),
     ]
     for name, build in variants:
         build()
