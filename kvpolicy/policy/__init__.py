@@ -26,10 +26,12 @@ from .rules import (
     BUDGET_WIDTHS,
     FULL_PRECISION,
     GROUP_CHOICES,
+    NORMAL_LEVELS_UP_TO,
     SUPPORTED_BITS,
     Axis,
     TensorKind,
     is_budget,
+    levels_at,
     packed_bytes_per_element,
     stored_bits,
 )
@@ -54,7 +56,9 @@ __all__ = [
     "list_presets",
     "load_spec",
     "build_policy",
+    "NORMAL_LEVELS_UP_TO",
     "is_budget",
+    "levels_at",
     "packed_bytes_per_element",
     "stored_bits",
 ]

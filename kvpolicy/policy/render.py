@@ -28,7 +28,9 @@ def ranges(layers: Sequence[int]) -> str:
     return ", ".join(parts)
 
 
-_COLUMNS = ("layers", "tensor", "axis", "bits", "G", "pre-RoPE", "R", "sinks", "override")
+_COLUMNS = (
+    "layers", "tensor", "axis", "bits", "G", "levels", "pre-RoPE", "R", "sinks", "override",
+)
 
 
 def _row(label: str, t: Any) -> list[str]:
@@ -43,6 +45,7 @@ def _row(label: str, t: Any) -> list[str]:
         t.axis.value,
         str(t.bits),
         str(t.group_size),
+        "-" if t.full_precision else t.code_levels,
         pre_rope,
         str(t.residual),
         str(t.sinks),

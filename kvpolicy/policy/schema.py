@@ -32,6 +32,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..errors import PolicyError
+from ..kernels.layout import NORMAL_LEVELS
 from .messages import translate
 from .render import ranges, render_table
 from .rules import (
@@ -44,6 +45,7 @@ from .rules import (
     check_byte_aligned,
     check_divides,
     invalid,
+    levels_at,
     packed_bytes_per_element,
     stored_bits,
 )
@@ -70,6 +72,17 @@ class LayerSensitivity(Frozen):
     key_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
     value_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
     value_rotated_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
+    # For ``levels: auto`` under a budget: the errors once more with normal levels (None
+    # where a width has no normal table), at the own group and per candidate group.
+    key_normal: tuple[Union[float, None], ...] | None = None
+    value_normal: tuple[Union[float, None], ...] | None = None
+    key_normal_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
+    value_normal_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
+
+
+# The per-group tables of a LayerSensitivity (None where the tensor's group is fixed).
+GROUP_TABLES = ("key_groups", "value_groups", "value_rotated_groups", "key_normal_groups",
+                "value_normal_groups")
 
 
 class Calibration(Frozen):
@@ -109,13 +122,15 @@ class Calibration(Frozen):
         if list(self.groups) != sorted(set(self.groups)) or any(g <= 0 for g in self.groups):
             raise invalid("groups", f"groups {list(self.groups)}: positive, increasing")
         for ls in self.layers:
-            if len(ls.key) != len(self.widths) or len(ls.value) != len(self.widths):
+            rows = [ls.key, ls.value] + [r for r in (ls.value_rotated, ls.key_normal,
+                                                      ls.value_normal) if r is not None]
+            if any(len(row) != len(self.widths) for row in rows):
                 raise invalid(
                     "layers",
                     f"layer {ls.layer}: {len(ls.key)} key and {len(ls.value)} value errors for "
                     f"{len(self.widths)} widths",
                 )
-            for name in ("key_groups", "value_groups", "value_rotated_groups"):
+            for name in GROUP_TABLES:
                 table = getattr(ls, name)
                 if table is not None and (len(table) != len(self.groups) or any(
                         len(row) != len(self.widths) for row in table)):
@@ -133,27 +148,25 @@ class Calibration(Frozen):
         raise KeyError(f"layer {layer} is not in this calibration")
 
     def errors(self, layer: int, tensor: TensorKind | str, rotated: bool = False,
-               group: int | None = None) -> dict[int, float]:
+               group: int | None = None, normal: bool = False) -> dict[int, float]:
         """``{width: error}`` of one tensor, feasible widths only (``rotated``: the value's
-        errors with the Hadamard rotation, empty if not measured; ``group``: at that
-        candidate group size, empty if not measured; None: at the policy's own group);
-        KeyError if the layer was not measured."""
-        kind = TensorKind(tensor)
+        errors with the Hadamard rotation; ``normal``: with normal levels; each empty if not
+        measured; ``group``: at that candidate group size, empty if not measured; None: at
+        the policy's own group); KeyError if the layer was not measured."""
+        kind = TensorKind(tensor).value
         ls = self._layer(layer)
+        if rotated and (normal or kind == "key"):
+            return {}  # not measured: keys are not rotated, rotated values are uniform
+        name = kind + ("_rotated" if rotated else "") + ("_normal" if normal else "")
         if group is not None:
-            if kind is TensorKind.KEY:
-                table = None if rotated else ls.key_groups
-            else:
-                table = ls.value_rotated_groups if rotated else ls.value_groups
+            table = getattr(ls, f"{name}_groups")
             if table is None or group not in self.groups:
                 return {}
             row = table[self.groups.index(group)]
         else:
-            row = ls.key if kind is TensorKind.KEY else ls.value
-            if rotated:
-                row = ls.value_rotated if kind is TensorKind.VALUE else None
-                if row is None:
-                    return {}
+            row = getattr(ls, name)
+            if row is None:
+                return {}
         return {w: e for w, e in zip(self.widths, row, strict=True) if e is not None}
 
 
@@ -190,6 +203,9 @@ class TensorPolicy(Frozen):
     # The candidates a stored-bits budget chose ``group_size`` from (``group_size: auto``
     # or a list); empty: the group size was fixed by the spec.
     group_sizes: tuple[StrictInt, ...] = ()
+    # The levels setting (uniform, normal or auto: a budget measures both, else
+    # rules.levels_at); ``code_levels`` is what the cache uses at ``bits``.
+    levels: Literal["uniform", "normal", "auto"] = "uniform"
     reason: StrictStr
 
     @field_validator("bits")
@@ -230,6 +246,13 @@ class TensorPolicy(Frozen):
                     "rotation",
                     f"a Hadamard rotation needs a power-of-two head_dim, got {self.head_dim}",
                 )
+        if (self.levels == "normal" and self.bits not in NORMAL_LEVELS
+                and not self.full_precision and self.bits_from != "budget"):
+            raise invalid(
+                "levels",
+                f"normal levels have tables for {list(NORMAL_LEVELS)} bits, not {self.bits}; "
+                "use levels: uniform (or auto) at this width",
+            )
         if self.derived_pre_rope and self.rope is None:
             raise invalid("derived_pre_rope", "derived_pre_rope is true but rope is null")
         if self.group_sizes:
@@ -253,6 +276,12 @@ class TensorPolicy(Frozen):
     def full_precision(self) -> bool:
         """True when the tensor is stored unquantized (``bits == 16``)."""
         return self.bits == FULL_PRECISION
+
+    @property
+    def code_levels(self) -> Literal["uniform", "normal"]:
+        """The levels the cache quantizes this tensor with at its width
+        (``kernels.layout``; ``levels: auto`` by ``rules.levels_at``)."""
+        return levels_at(self.levels, self.bits, self.axis.value)
 
     @property
     def pinned_full_precision(self) -> bool:
@@ -381,6 +410,7 @@ class ModelPolicy(Frozen):
             f"{t.residual}:{t.sinks}:{t.num_kv_heads}x{t.head_dim}"
             + (":fp" if t.pinned_full_precision else "")
             + (f":rot={t.rotation}" if t.rotation != "none" else "")
+            + (f":lv={t.levels}" if t.levels != "uniform" else "")
             + (f":g={'/'.join(map(str, t.group_sizes))}" if t.group_sizes else "")
             for t in self.tensors
         ]

@@ -37,9 +37,14 @@ from .rules import (
     invalid,
     is_budget,
 )
-from .schema import Calibration
+from .schema import GROUP_TABLES, Calibration
 
-_SETTABLE = ("bits", "group_size", "axis", "pre_rope", "residual", "sinks", "rotation")
+_SETTABLE = (
+    "bits", "group_size", "axis", "pre_rope", "residual", "sinks", "rotation", "levels",
+)
+# The quantization levels (kernels.layout): "auto" is normal (Lloyd-Max) levels at widths
+# up to rules.NORMAL_LEVELS_UP_TO and uniform ones above.
+LevelsSetting = Literal["uniform", "normal", "auto"]
 
 LayerSelector = Union[StrictInt, StrictStr, tuple[Union[StrictInt, StrictStr], ...]]
 # A fixed group size, "auto" (a stored-bits budget chooses among rules.GROUP_CHOICES) or the
@@ -128,6 +133,9 @@ class Defaults(Frozen):
     # "auto": a bit budget's calibration measures both and keeps the rotation where it
     # cuts the measured cost (calibrate.apply.ROTATION_GAIN).
     rotation: Literal["none", "hadamard", "auto"] = "none"
+    # The quantization levels (kernels.layout): uniform, normal (Lloyd-Max levels of a unit
+    # Gaussian placed by each group's mean and deviation) or auto (rules.levels_at).
+    levels: LevelsSetting = "auto"
 
     @field_validator("bits")
     @classmethod
@@ -193,6 +201,7 @@ class OverrideRule(Frozen):
     residual: StrictInt | None = Field(default=None, ge=0)
     sinks: StrictInt | None = Field(default=None, ge=0)
     rotation: Literal["none", "hadamard", "auto"] | None = None
+    levels: LevelsSetting | None = None
 
     @field_validator("layers", mode="before")
     @classmethod
@@ -313,7 +322,7 @@ class PolicySpec(Frozen):
             if not cal["groups"]:
                 del cal["groups"]
             for layer in cal["layers"]:
-                for name in ("key_groups", "value_groups", "value_rotated_groups"):
+                for name in ("value_rotated", "key_normal", "value_normal", *GROUP_TABLES):
                     if layer[name] is None:
                         del layer[name]
             doc["calibration"] = cal

@@ -244,8 +244,8 @@ def _packed_layer(
 ) -> PackedKVLayer:
     k, v = policy.get(layer, "key"), policy.get(layer, "value")
     return PackedKVLayer(
-        QuantSpec(k.bits, k.group_size, k.axis.value),
-        QuantSpec(v.bits, v.group_size, v.axis.value),
+        QuantSpec(k.bits, k.group_size, k.axis.value, k.code_levels),
+        QuantSpec(v.bits, v.group_size, v.axis.value, v.code_levels),
         residual=k.residual, sinks=k.sinks, backend=backend, pre_rope=k.pre_rope,
         dtype=storage_dtype((k.bits, v.bits), model_dtype), window=window,
     )

@@ -36,6 +36,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 import kvpolicy
 from kvpolicy.kernels import reference
 from kvpolicy.kernels.layout import QuantSpec
+from kvpolicy.policy import levels_at
 from kvpolicy.zoo.tiny import tiny_model
 
 BITS, RESIDUAL, SINKS = 2, 8, 2
@@ -51,7 +52,10 @@ FP_GAP = 1e-2  # 2 bits must move the logits by at least this (a cache that skip
 
 def _specs(arch: str) -> tuple[QuantSpec, QuantSpec]:
     g = ARCHS[arch][0]
-    return QuantSpec(BITS, g, "channel"), QuantSpec(BITS, g, "token")
+    # The default levels (auto) at this width: normal keys (per-channel scales), uniform
+    # values.
+    return (QuantSpec(BITS, g, "channel", levels_at("auto", BITS, "channel")),
+            QuantSpec(BITS, g, "token", levels_at("auto", BITS, "token")))
 
 
 def _fake_quant(x: torch.Tensor, lo: int, hi: int, spec: QuantSpec) -> torch.Tensor:
@@ -125,6 +129,8 @@ def _generate(model: PreTrainedModel, ids: torch.Tensor, cache: Cache | None = N
     if cache is not None:
         kwargs["cache"] = cache
     kwargs.setdefault("do_sample", False)
+    # No early end of sequence: every run packs the chunks _assert_same_cache asks for.
+    kwargs.setdefault("min_new_tokens", kwargs.get("max_new_tokens"))
     with torch.no_grad():
         return model.generate(ids, pad_token_id=0, return_dict_in_generate=True,
                               output_logits=True, **kwargs)
