@@ -10,7 +10,8 @@ behind it into the tensor's reason, so that ``kvpolicy inspect`` can explain it:
   reason quoting the stored bits of the choice and the measured cost of each candidate
   group at the chosen width ("2 bits, group 64: 2.50 stored bits per element; ... at 2
   bits: group 32 9.0e-05 (3.00) · group 64 1.2e-04 (2.50) · group 128 3.1e-04 (2.25)");
-- ``rotation: auto``: at the chosen option, the rotated and the plain cost.
+- ``rotation: auto``: at the chosen option, the rotated and the plain cost;
+- ``levels: auto``: at the chosen option, the cost with normal and with uniform levels.
 
 ``budget_policy`` is the way in from ``derive_policy``: it finds or measures the
 calibration and applies the spec's budget.
@@ -28,12 +29,16 @@ from ..policy import Calibration, ModelPolicy, PolicySpec, TensorPolicy, stored_
 from . import budget as measure
 from .allocate import allocate, allocate_stored
 
-__all__ = ["ROTATION_GAIN", "apply_budget", "budget_policy"]
+__all__ = ["ROTATION_GAIN", "LEVELS_GAIN", "apply_budget", "budget_policy"]
 
 # rotation: auto rotates a value when the rotation cuts its measured cost at the allocated
 # width below this share of the plain cost: a rotation costs a [D, D] matmul of the values
 # appended and of the attention output per step, so a tie keeps the plain cache.
 ROTATION_GAIN = 0.95
+# levels: auto takes normal levels where they cut the measured cost below this share of the
+# uniform (or rotated) one: the same bytes and one table lookup per element, so a clear
+# margin, not a tie, decides.
+LEVELS_GAIN = 0.95
 
 
 def _fmt(e: float) -> str:
@@ -44,8 +49,18 @@ def _bits(w: int) -> str:
     return f"{w} bit{'s' if w > 1 else ''}"
 
 
-def _rotate(plain: float | None, turned: float | None) -> bool:
-    return plain is not None and turned is not None and turned < ROTATION_GAIN * plain
+def _pick(plain: float | None, turned: float | None, normal: float | None
+          ) -> tuple[float | None, str]:
+    """The cheapest measured variant of one option: ``(cost, "plain" | "rotated" |
+    "normal")``, rotated and normal only where they beat what they replace by their gain."""
+    if plain is None:
+        return None, "plain"
+    cost, name = plain, "plain"
+    if turned is not None and turned < ROTATION_GAIN * plain:
+        cost, name = turned, "rotated"
+    if normal is not None and normal < LEVELS_GAIN * cost:
+        cost, name = normal, "normal"
+    return cost, name
 
 
 def _stale(calibration: Calibration) -> PolicyError:
@@ -57,21 +72,28 @@ def _stale(calibration: Calibration) -> PolicyError:
     )
 
 
-def _measured(calibration: Calibration, t: TensorPolicy, group: int | None
-              ) -> tuple[dict[int, float], dict[int, float]]:
-    """``({width: plain error}, {width: rotated error})`` of ``t`` at ``group`` (None: its
-    own fixed group); the rotated ones only for ``rotation: auto``."""
+Measured = tuple[dict[int, float], dict[int, float], dict[int, float]]
+
+
+def _measured(calibration: Calibration, t: TensorPolicy, group: int | None) -> Measured:
+    """``({width: plain error}, {width: rotated error}, {width: error with normal
+    levels})`` of ``t`` at ``group`` (None: its own fixed group); the rotated ones only for
+    ``rotation: auto``, the normal ones only for ``levels: auto``."""
     plain = calibration.errors(t.layer, t.tensor, group=group)
-    if t.rotation != "auto":
-        return plain, {}
-    turned = calibration.errors(t.layer, t.tensor, rotated=True, group=group)
-    if not turned:
-        raise PolicyError(
-            f"layer {t.layer} {t.tensor.value}: rotation: auto, but the calibration "
-            "has no rotated errors; delete the 'calibration' block so that "
-            "compile_model measures it again"
-        )
-    return plain, turned
+    turned = normal = {}
+    if t.rotation == "auto":
+        turned = calibration.errors(t.layer, t.tensor, rotated=True, group=group)
+    if t.levels == "auto":
+        normal = calibration.errors(t.layer, t.tensor, normal=True, group=group)
+    for setting, got in (("rotation", turned), ("levels", normal)):
+        if getattr(t, setting) == "auto" and plain and not got:
+            what = "rotated errors" if setting == "rotation" else "errors with normal levels"
+            raise PolicyError(
+                f"layer {t.layer} {t.tensor.value}: {setting}: auto, but the calibration "
+                f"has no {what}; delete the 'calibration' block so that compile_model "
+                "measures it again"
+            )
+    return plain, turned, normal
 
 
 def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float,
@@ -102,19 +124,18 @@ def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float,
         raise _stale(calibration)
     if unit == "stored":
         return _apply_stored(policy, calibration, budget, scale_bits)
-    errors, rotated, pinned = [], [], {}
+    variants: list[Measured] = []
+    pinned = {}
     for i, t in enumerate(tensors):
-        rotated.append({})
         if t.bits_from == "rule":
             pinned[i] = t.bits
-            errors.append({})
+            variants.append(({}, {}, {}))
             continue
-        plain, turned = _measured(calibration, t, None)
-        errors.append(plain)
-        rotated[i] = turned
-    # rotation: auto takes, at each width, the cheaper of the two (by ROTATION_GAIN).
-    costs = [{w: rotated[i][w] if _rotate(e, rotated[i].get(w)) else e
-              for w, e in errs.items()} for i, errs in enumerate(errors)]
+        variants.append(_measured(calibration, t, None))
+    errors = [m[0] for m in variants]
+    # rotation: auto and levels: auto take, at each width, the cheapest variant (_pick).
+    costs = [{w: _pick(e, turned.get(w), normal.get(w))[0] for w, e in plain.items()}
+             for plain, turned, normal in variants]
     sizes = [t.elements_per_token for t in tensors]
     widths = allocate(costs, sizes, budget, pinned)
     out = []
@@ -128,8 +149,8 @@ def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float,
                 f"{t.reason}; budget {budget:g}: {w} bit{'s' if w > 1 else ''}, from the "
                 f"measured {calibration.metric} of quantizing this tensor alone ({measured})"
             )
-        if t.rotation == "auto":
-            reason += _rotation_reason(data, w, errors[i].get(w), rotated[i].get(w))
+        plain, turned, normal = variants[i]
+        reason += _variant_reason(t, data, w, plain.get(w), turned.get(w), normal.get(w))
         data.update(bits=w, reason=reason, bits_from="rule" if i in pinned else "budget")
         out.append(TensorPolicy.model_validate(data))
     return policy.model_copy(update={
@@ -138,16 +159,33 @@ def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float,
     })
 
 
-def _rotation_reason(data: dict[str, Any], w: int, plain: float | None,
-                     turned: float | None) -> str:
-    """Set ``data["rotation"]`` for ``rotation: auto`` and say why."""
-    data["rotation"] = "hadamard" if _rotate(plain, turned) else "none"
-    return (
-        f"; rotation: auto chose {data['rotation']} (at {w} bits "
-        f"{_fmt(turned) if turned is not None else '-'} rotated against "
-        f"{_fmt(plain) if plain is not None else '-'} plain; rotated when it costs "
-        f"under {ROTATION_GAIN:g}x)"
-    )
+def _variant_reason(t: TensorPolicy, data: dict[str, Any], w: int, plain: float | None,
+                    turned: float | None, normal: float | None) -> str:
+    """Set ``data``'s ``rotation`` / ``levels`` where they are ``auto`` to the variant
+    :func:`_pick` chose at the allocated option, and say why (nothing where neither is)."""
+    if t.rotation != "auto" and t.levels != "auto":
+        return ""
+    if plain is None:  # nothing measured at this option (a pinned width): the defaults
+        if t.rotation == "auto":
+            data["rotation"] = "none"
+        return ""
+    _, name = _pick(plain, turned, normal)
+    text = ""
+    if t.rotation == "auto":
+        data["rotation"] = "hadamard" if name == "rotated" else "none"
+        text += (
+            f"; rotation: auto chose {data['rotation']} (at {w} bits "
+            f"{_fmt(turned) if turned is not None else '-'} rotated against {_fmt(plain)} "
+            f"plain; rotated when it costs under {ROTATION_GAIN:g}x)"
+        )
+    if t.levels == "auto":
+        data["levels"] = "normal" if name == "normal" else "uniform"
+        text += (
+            f"; levels: auto chose {data['levels']} (at {w} bits "
+            f"{_fmt(normal) if normal is not None else '-'} normal against {_fmt(plain)} "
+            f"uniform; normal when it costs under {LEVELS_GAIN:g}x)"
+        )
+    return text
 
 
 Option = tuple[int, int]
@@ -157,25 +195,25 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
                   scale_bits: int) -> ModelPolicy:
     """:func:`apply_budget` for a stored-bits budget: a ``(width, group)`` per tensor."""
     tensors = policy.tensors
-    plain: list[dict[Option, float]] = []
-    turned: list[dict[Option, float]] = []
+    # Per tensor: {option: error} plain, rotated and with normal levels (_measured).
+    measured: list[tuple[dict[Option, float], ...]] = []
     options: list[dict[Option, float]] = []
     for t in tensors:
         p: dict[Option, float] = {}
         r: dict[Option, float] = {}
+        n: dict[Option, float] = {}
         if not t.pinned_full_precision:
             for g in t.group_sizes or (t.group_size,):
-                errs, rot = _measured(calibration, t, g if t.group_sizes else None)
+                errs, rot, nor = _measured(calibration, t, g if t.group_sizes else None)
                 if t.group_sizes and not errs:
                     raise _stale(calibration)  # the candidates were not measured
-                p.update({(w, g): e for w, e in errs.items()})
-                r.update({(w, g): e for w, e in rot.items()})
-        plain.append(p)
-        turned.append(r)
+                for table, got in ((p, errs), (r, rot), (n, nor)):
+                    table.update({(w, g): e for w, e in got.items()})
+        measured.append((p, r, n))
         if t.pinned_full_precision:
             opts = {(t.bits, t.group_size): 0.0}
         else:
-            opts = {o: r[o] if _rotate(e, r.get(o)) else e for o, e in p.items()
+            opts = {o: _pick(e, r.get(o), n.get(o))[0] for o, e in p.items()  # type: ignore[misc]
                     if t.bits_from != "rule" or o[0] == t.bits}
             if t.bits_from == "rule" and not opts:  # a pinned width the table lacks
                 opts = {(t.bits, t.group_size): 0.0}
@@ -212,8 +250,8 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
             at_g = " · ".join(f"{x} b {_fmt(e)}" for (x, y), e in sorted(options[i].items())
                               if y == g)
             reason += f"; at group {g}: {at_g}"
-        if t.rotation == "auto":
-            reason += _rotation_reason(data, w, plain[i].get((w, g)), turned[i].get((w, g)))
+        p, r, n = measured[i]
+        reason += _variant_reason(t, data, w, p.get((w, g)), r.get((w, g)), n.get((w, g)))
         data.update(bits=w, group_size=g, reason=reason,
                     bits_from="rule" if pinned else "budget")
         out.append(TensorPolicy.model_validate(data))

@@ -67,7 +67,7 @@ from tqdm.auto import tqdm
 
 from ..errors import KVPolicyError
 from ..kernels import reference
-from ..kernels.layout import QuantSpec
+from ..kernels.layout import NORMAL_LEVELS, QuantSpec
 from ..kernels.masks import causal_mask
 from ..kernels.rotation import rotation_matrix
 from ..policy import (
@@ -76,6 +76,7 @@ from ..policy import (
     LayerSensitivity,
     ModelPolicy,
     TensorPolicy,
+    levels_at,
 )
 from ..zoo.text import pydoc_tokens
 from .allocate import allocate
@@ -287,7 +288,7 @@ def _layer_errors(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy, wid
     """``(key errors, value errors, value errors rotated)`` per width at each tensor's own
     group size; the last only for ``rotation: auto`` (the value's ``rotation`` otherwise
     applies to ``value errors``)."""
-    keys, values, rotated = _layer_errors_by_group(act, kp, vp, widths, store, metric)
+    keys, values, rotated, _, _ = _layer_errors_by_group(act, kp, vp, widths, store, metric)
     turned = None if rotated is None else rotated[vp.group_size]
     return keys[kp.group_size], values[vp.group_size], turned
 
@@ -295,9 +296,12 @@ def _layer_errors(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy, wid
 @torch.no_grad()
 def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy,
                            widths: Sequence[int], store: torch.dtype, metric: str = "fisher"
-                           ) -> tuple[Rows, Rows, Rows | None]:
-    """``(key, value, value rotated)`` errors ``{group size: [error per width]}`` over each
-    tensor's candidate group sizes (:func:`_candidates`), all on one packing schedule."""
+                           ) -> tuple[Rows, Rows, Rows | None, Rows | None, Rows | None]:
+    """``(key, value, value rotated, key normal, value normal)`` errors ``{group size:
+    [error per width]}`` over each tensor's candidate group sizes (:func:`_candidates`), all
+    on one packing schedule. Under ``levels: auto`` the first three are measured with
+    uniform levels and the last two with normal ones (None otherwise; None entries where a
+    width has no normal table); other settings apply their own levels to the first three."""
     q, k, v = act.query, act.key, act.value
     if metric == "fisher" and act.out_grad is None:
         raise ValueError("the fisher metric needs activations captured with loss_grad=True")
@@ -340,9 +344,10 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
     rotated_errs: Rows | None = {g: [] for g in value_groups} if vp.rotation == "auto" else None
     rotations = ("none", "hadamard") if vp.rotation == "auto" else (vp.rotation,)
 
-    def key_error(w: int, g: int) -> float:
+    def key_error(w: int, g: int, levels: str) -> float:
         stored = act.key_pre if pre_rope else k
-        k_seg = roundtrip(stored[:, :, seg].contiguous(), QuantSpec(w, g, kp.axis.value), store)
+        spec = QuantSpec(w, g, kp.axis.value, levels)  # type: ignore[arg-type]
+        k_seg = roundtrip(stored[:, :, seg].contiguous(), spec, store)
         if pre_rope:
             k_seg = reference.apply_rope(k_seg, positions[:, seg], rope)
         k_hat = k.clone()
@@ -351,8 +356,8 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
         s_mix = torch.where(quantized, s_hat, scores) + mask
         return error(torch.matmul(torch.softmax(s_mix, dim=-1), v_heads))
 
-    def value_error(w: int, g: int, rotation: str) -> float:
-        spec = QuantSpec(w, g, vp.axis.value)
+    def value_error(w: int, g: int, rotation: str, levels: str) -> float:
+        spec = QuantSpec(w, g, vp.axis.value, levels)  # type: ignore[arg-type]
         rot = rotation_matrix(rotation, v.shape[-1], v.device)
         if rot is None:
             v_seg = roundtrip(v[:, :, seg].contiguous(), spec, store)
@@ -362,16 +367,31 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
         dv[:, :, seg] = v_seg - v[:, :, seg]
         return error(out + torch.matmul(probs_quantized, expand_heads(dv, hq)))
 
+    # levels: auto measures uniform levels, then normal ones where the width has a table.
+    key_normal: Rows | None = {g: [] for g in key_groups} if kp.levels == "auto" else None
+    value_normal: Rows | None = {g: [] for g in value_groups} if vp.levels == "auto" else None
+
+    def levels(t: TensorPolicy, w: int) -> str:
+        return "uniform" if t.levels == "auto" else levels_at(t.levels, w, t.axis.value)
+
     for w in widths:
+        normal_fits = w in NORMAL_LEVELS
         for g in key_groups:
             fits = _fits(w, g) and not kp.pinned_full_precision
-            key_errs[g].append(key_error(w, g) if fits else None)
+            key_errs[g].append(key_error(w, g, levels(kp, w)) if fits else None)
+            if key_normal is not None:
+                key_normal[g].append(key_error(w, g, "normal") if fits and normal_fits
+                                     else None)
         for g in value_groups:
             fits = _fits(w, g) and not vp.pinned_full_precision
-            value_errs[g].append(value_error(w, g, rotations[0]) if fits else None)
+            value_errs[g].append(value_error(w, g, rotations[0], levels(vp, w)) if fits else None)
             if rotated_errs is not None:
-                rotated_errs[g].append(value_error(w, g, rotations[1]) if fits else None)
-    return key_errs, value_errs, rotated_errs
+                rotated_errs[g].append(value_error(w, g, rotations[1], levels(vp, w))
+                                       if fits else None)
+            if value_normal is not None:
+                value_normal[g].append(value_error(w, g, rotations[0], "normal")
+                                       if fits and normal_fits else None)
+    return key_errs, value_errs, rotated_errs, key_normal, value_normal
 
 
 def _group_table(rows: Rows | None, t: TensorPolicy, groups: Sequence[int], n: int
@@ -444,14 +464,18 @@ def calibrate(
     layers = []
     for act in tqdm(acts, desc="calibrating", unit="layer", disable=not progress):
         kp, vp = policy.get(act.layer, "key"), policy.get(act.layer, "value")
-        ke, ve, vr = _layer_errors_by_group(act, kp, vp, widths, store, metric)
+        ke, ve, vr, kn, vn = _layer_errors_by_group(act, kp, vp, widths, store, metric)
         n = len(widths)
         layers.append(LayerSensitivity(
             layer=act.layer, key=tuple(ke[kp.group_size]), value=tuple(ve[vp.group_size]),
             value_rotated=None if vr is None else tuple(vr[vp.group_size]),
+            key_normal=None if kn is None else tuple(kn[kp.group_size]),
+            value_normal=None if vn is None else tuple(vn[vp.group_size]),
             key_groups=_group_table(ke, kp, groups, n),
             value_groups=_group_table(ve, vp, groups, n),
             value_rotated_groups=_group_table(vr, vp, groups, n),
+            key_normal_groups=_group_table(kn, kp, groups, n),
+            value_normal_groups=_group_table(vn, vp, groups, n),
         ))
         act.query = act.key = act.key_pre = act.value = act.out_grad = None  # type: ignore
     cal = Calibration(

@@ -197,7 +197,9 @@ def test_the_calibration_measures_every_width_at_every_candidate_group(compiled)
     # at group 128 the table is what a policy with that one group fixed measures.
     act = capture_activations(tiny_model("llama"), calibration_ids(), loss_grad=True)[0]
     kp, vp = pol.get(0, "key"), pol.get(0, "value")
-    fixed = kp.model_copy(update={"group_size": 128, "group_sizes": ()})
+    # As calibrated: levels auto, whose plain rows are uniform levels.
+    fixed = kp.model_copy(update={"group_size": 128, "group_sizes": (), "levels": "auto"})
+    vp = vp.model_copy(update={"levels": "auto"})
     keys, values, _ = budget._layer_errors(act, fixed, vp, cal.widths, torch.float16)
     assert tuple(keys) == ls.key_groups[2] and tuple(values) == ls.value
 
