@@ -37,7 +37,7 @@ from ..api import compile_model, derive_policy
 from ..api import inspect as inspect_policy
 from ..calibrate import budget
 from ..errors import KVPolicyError
-from ..policy import BUDGET_WIDTHS, load_spec, packed_bytes_per_element
+from ..policy import BUDGET_WIDTHS, build_policy, load_spec, packed_bytes_per_element
 from ..zoo import text
 from ..zoo.tiny import tiny_model
 from .axis_study import consumed_study
@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 FRONTIER_BUDGETS: tuple[float, ...] = (2.25, 2.5, 3.0)
 # The budget of the retrieval rows (one of FRONTIER_BUDGETS: its run is reused).
 RETRIEVAL_BUDGET = 2.5
+# Ablations that also run the retrieval check: the uniform levels of the policy before
+# levels: auto, beside the derived policy's.
+RETRIEVAL_ABLATIONS = ("uniform levels",)
 # Default passage length of the retrieval check; ``quick`` uses QUICK_RETRIEVAL_TOKENS.
 RETRIEVAL_TOKENS = 1024
 QUICK_RETRIEVAL_TOKENS = 48
@@ -76,6 +79,8 @@ def ablations(bits: int | float) -> list[tuple[str, str, dict[str, Any]]]:
          {"overrides": [{**key, "axis": "token"}, {**value, "axis": "channel"}]}),
         ("keys post-RoPE", "rope", {"overrides": [{**key, "pre_rope": False}]}),
         ("values rotated (Hadamard)", "rotation", {"defaults": {"rotation": "hadamard"}}),
+        ("uniform levels", "levels", {"defaults": {"levels": "uniform"}}),
+        ("normal levels, keys and values", "levels", {"defaults": {"levels": "normal"}}),
         ("residual 0", "residual", {"defaults": {"residual": 0}}),
         ("residual 32", "residual", {"defaults": {"residual": 32}}),
         ("residual 128", "residual", {"defaults": {"residual": 128}}),
@@ -243,7 +248,7 @@ def evaluate(
             same = seen.get(key, derived)
             runs.append(replace(same, name=name, group=group, settings=spec))
             continue
-        seen[key] = run_policy(name, group, spec)
+        seen[key] = run_policy(name, group, spec, retrieve=name in RETRIEVAL_ABLATIONS)
 
     frontier, budget_specs, cal = _frontier_calibration(load, user, cal_input, notes, progress)
     retrieval_budget = f"budget {RETRIEVAL_BUDGET:g}"
@@ -333,7 +338,9 @@ def _relative_calibration(load, spec: dict[str, Any], cal, cal_input, progress: 
     """The calibration of ``spec``'s settings on the same input as ``cal``, in the
     ``relative`` currency (``budget.CALIBRATION_METRICS``) instead of the default one."""
     model = load()
-    policy = derive_policy(model, policy=spec, calibration=cal, progress=False)
+    # The policy as built from the spec, before allocation: its auto settings (rotation,
+    # levels) are what a calibration measures both ways and what the runs are keyed on.
+    policy = build_policy(analyse_model(model).layers, load_spec(spec), model_name=cal.model)
     return budget.calibrate_on(model, policy, cal_input, metric="relative", progress=progress)
 
 
