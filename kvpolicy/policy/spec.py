@@ -42,8 +42,9 @@ from .schema import GROUP_TABLES, Calibration
 _SETTABLE = (
     "bits", "group_size", "axis", "pre_rope", "residual", "sinks", "rotation", "levels",
 )
-# The quantization levels (kernels.layout): "auto" is normal (Lloyd-Max) levels at widths
-# up to rules.NORMAL_LEVELS_UP_TO and uniform ones above.
+# The quantization levels (kernels.layout): "auto" is chosen by a budget's calibration, and
+# without one by rules.levels_at (normal levels for per-channel scales at up to
+# rules.NORMAL_LEVELS_UP_TO bits, uniform ones elsewhere).
 LevelsSetting = Literal["uniform", "normal", "auto"]
 
 LayerSelector = Union[StrictInt, StrictStr, tuple[Union[StrictInt, StrictStr], ...]]
