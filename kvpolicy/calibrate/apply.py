@@ -159,6 +159,15 @@ def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float,
     })
 
 
+def _choice_text(setting: str, chosen: str, w: int, alt: float | None, alt_name: str,
+                 plain: float, plain_name: str, gain: float) -> str:
+    return (
+        f"; {setting}: auto chose {chosen} (at {w} bits "
+        f"{_fmt(alt) if alt is not None else '-'} {alt_name} against {_fmt(plain)} "
+        f"{plain_name}; {alt_name} when it costs under {gain:g}x)"
+    )
+
+
 def _variant_reason(t: TensorPolicy, data: dict[str, Any], w: int, plain: float | None,
                     turned: float | None, normal: float | None) -> str:
     """Set ``data``'s ``rotation`` / ``levels`` where they are ``auto`` to the variant
@@ -173,18 +182,12 @@ def _variant_reason(t: TensorPolicy, data: dict[str, Any], w: int, plain: float 
     text = ""
     if t.rotation == "auto":
         data["rotation"] = "hadamard" if name == "rotated" else "none"
-        text += (
-            f"; rotation: auto chose {data['rotation']} (at {w} bits "
-            f"{_fmt(turned) if turned is not None else '-'} rotated against {_fmt(plain)} "
-            f"plain; rotated when it costs under {ROTATION_GAIN:g}x)"
-        )
+        text += _choice_text("rotation", data["rotation"], w, turned, "rotated", plain,
+                             "plain", ROTATION_GAIN)
     if t.levels == "auto":
         data["levels"] = "normal" if name == "normal" else "uniform"
-        text += (
-            f"; levels: auto chose {data['levels']} (at {w} bits "
-            f"{_fmt(normal) if normal is not None else '-'} normal against {_fmt(plain)} "
-            f"uniform; normal when it costs under {LEVELS_GAIN:g}x)"
-        )
+        text += _choice_text("levels", data["levels"], w, normal, "normal", plain, "uniform",
+                             LEVELS_GAIN)
     return text
 
 

@@ -35,6 +35,7 @@ import math
 
 import pytest
 import torch
+from test_triton_decode import _call, _check  # the decode tests' call and check
 
 from kvpolicy.kernels import reference as ref
 from kvpolicy.kernels._triton_util import interpreting
@@ -205,19 +206,6 @@ def _case(k_spec: QuantSpec, v_spec: QuantSpec, *, dtype: torch.dtype = torch.fl
     )
 
 
-def _call(fn, a: dict, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    a = {**a, **kw}
-    return fn(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("k_spec"), a.pop("v_spec"),
-              a.pop("fk"), a.pop("fv"), **a)
-
-
-def _check(a: dict, tol: float = 1e-5, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _call(_td().decode_attention, a, **kw)
-    ref_kw = {n: x for n, x in kw.items() if n not in ("num_splits", "fp_splits")}
-    want, want_lse = _call(ref.decode_attention, a, **ref_kw)
-    torch.testing.assert_close(out.cpu(), want.cpu(), atol=tol, rtol=tol)
-    torch.testing.assert_close(lse.cpu(), want_lse.cpu(), atol=tol, rtol=tol)
-    return out, lse
 
 
 def _specs(which: str, kb: int, vb: int, k_axis: str = "channel", v_axis: str = "token",
