@@ -31,11 +31,10 @@ GQA, RoPE, masks, softcap and splits. Uniform specs keep the kernels they had
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from test_triton_decode import _call, _check  # the decode tests' call and check
+from test_triton_decode import _case as _decode_case
 
 from kvpolicy.kernels import reference as ref
 from kvpolicy.kernels._triton_util import interpreting
@@ -187,25 +186,9 @@ def _rope(style: str, rotary_dim: int, dtype: torch.dtype = torch.float32) -> Ro
     return RotarySpec(style, rotary_dim, ang.cos().to(DEVICE, dtype), ang.sin().to(DEVICE, dtype))
 
 
-def _case(k_spec: QuantSpec, v_spec: QuantSpec, *, dtype: torch.dtype = torch.float32,
-          rope: RotarySpec | None = None, hq: int = 4, hkv: int = 1, tq: int = 1, tk: int = 32,
-          tf: int = 5, d: int = 32, seed: int = 0) -> dict:
-    """Arguments of one decode call, the packed segment quantized by the reference."""
-    g = torch.Generator().manual_seed(seed)
-    b = 2
-    q = torch.randn(b, hq, tq, d, generator=g)
-    k, v = torch.randn(2, b, hkv, tk, d, generator=g).unbind(0)
-    fk, fv = torch.randn(2, b, hkv, tf, d, generator=g).unbind(0)
-    k[..., 1] += 6.0
-    pos = torch.stack([torch.randperm(128, generator=g)[: tk + tf] for _ in range(b)])
-    return dict(
-        q=q.to(DEVICE, dtype), k=ref.quantize(k.to(DEVICE), k_spec, dtype),
-        v=ref.quantize(v.to(DEVICE), v_spec, dtype), k_spec=k_spec, v_spec=v_spec,
-        fk=fk.to(DEVICE, dtype), fv=fv.to(DEVICE, dtype), scale=1.0 / math.sqrt(d), rope=rope,
-        k_positions=pos[:, :tk].to(DEVICE), fp_positions=pos[:, tk:].to(DEVICE),
-    )
-
-
+def _case(k_spec: QuantSpec, v_spec: QuantSpec, **kw) -> dict:
+    """Arguments of one decode call (the decode tests' case), packed by the reference."""
+    return _decode_case(k_spec=k_spec, v_spec=v_spec, **kw)
 
 
 def _specs(which: str, kb: int, vb: int, k_axis: str = "channel", v_axis: str = "token",
