@@ -57,9 +57,9 @@ log = logging.getLogger(__name__)
 FRONTIER_BUDGETS: tuple[float, ...] = (2.25, 2.5, 3.0)
 # The budget of the retrieval rows (one of FRONTIER_BUDGETS: its run is reused).
 RETRIEVAL_BUDGET = 2.5
-# Ablations that also run the retrieval check: the uniform levels of the policy before
-# levels: auto, beside the derived policy's.
-RETRIEVAL_ABLATIONS = ("uniform levels",)
+# Ablations that also run the retrieval check: normal levels on the keys, where perplexity
+# and KL disagree (kvpolicy.policy.rules.levels_at).
+RETRIEVAL_ABLATIONS = ("normal levels, keys",)
 # Default passage length of the retrieval check; ``quick`` uses QUICK_RETRIEVAL_TOKENS.
 RETRIEVAL_TOKENS = 1024
 QUICK_RETRIEVAL_TOKENS = 48
@@ -79,7 +79,7 @@ def ablations(bits: int | float) -> list[tuple[str, str, dict[str, Any]]]:
          {"overrides": [{**key, "axis": "token"}, {**value, "axis": "channel"}]}),
         ("keys post-RoPE", "rope", {"overrides": [{**key, "pre_rope": False}]}),
         ("values rotated (Hadamard)", "rotation", {"defaults": {"rotation": "hadamard"}}),
-        ("uniform levels", "levels", {"defaults": {"levels": "uniform"}}),
+        ("normal levels, keys", "levels", {"overrides": [{**key, "levels": "normal"}]}),
         ("normal levels, keys and values", "levels", {"defaults": {"levels": "normal"}}),
         ("residual 0", "residual", {"defaults": {"residual": 0}}),
         ("residual 32", "residual", {"defaults": {"residual": 32}}),

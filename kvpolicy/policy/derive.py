@@ -22,13 +22,11 @@ from .rules import (
     BUDGET_WIDTHS,
     FULL_PRECISION,
     GROUP_CHOICES,
-    NORMAL_LEVELS_UP_TO,
     Axis,
     TensorKind,
     byte_aligned,
     fallback_group_size,
     join_or,
-    levels_at,
     token_group_sizes,
 )
 from .schema import ModelPolicy, TensorPolicy
@@ -165,8 +163,8 @@ def _reason(
             "which spreads large channels over each group; exact, since the attention output "
             "is rotated back once per step"
         )
-    if values["bits"] < FULL_PRECISION and values["levels"] != "uniform":
-        parts.append(_levels_text(values["levels"], axis, values["bits"]))
+    if values["bits"] < FULL_PRECISION and values["levels"] == "normal":
+        parts.append(_levels_text())
     if fallback_from is not None:
         parts.append(
             f"group {group_size}: the default {fallback_from} does not divide "
@@ -183,15 +181,9 @@ def _reason(
     return "; ".join(parts)
 
 
-def _levels_text(setting: str, axis: Axis, bits: int) -> str:
-    normal = "Lloyd-Max levels for a Gaussian, placed by each group's mean and deviation"
-    if setting != "auto":
-        return f"normal levels ({normal})"
-    return (
-        f"levels auto: {levels_at(setting, bits, axis.value)} (normal, {normal}, for "
-        f"per-channel scales at up to {NORMAL_LEVELS_UP_TO} bits; uniform elsewhere; a "
-        "budget measures both)"
-    )
+def _levels_text() -> str:
+    return ("normal levels (Lloyd-Max levels for a Gaussian, placed by each group's mean and "
+            "deviation)")
 
 
 def build_policy(

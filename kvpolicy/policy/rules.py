@@ -68,24 +68,22 @@ class Frozen(BaseModel):
 # --------------------------------------------------------------------------- checks
 
 
-# levels: auto (the default) without a budget: normal (Lloyd-Max) levels for tensors with
-# per-channel scales (groups of tokens: keys) at widths up to this, uniform ones elsewhere;
-# under a budget the calibration measures both and keeps the cheaper. NOTE: SmolLM2, 2
-# pydoc segments, 768-token prefill + 128 steps, 2 bits: perplexity 1.092x fp with uniform
-# levels, 1.015x with normal keys and uniform values, 1.159x with both normal (normal
-# values clip each token's largest channels); the calibrated cost of normal keys is 0.8x
-# uniform's at 2 bits and 5x at 3 bits, where the uniform grid's exact extremes win.
-NORMAL_LEVELS_UP_TO = 2
+# levels: auto (the default) is uniform levels without a budget; under one the calibration
+# measures normal levels too and keeps them where they cost less (calibrate.apply). NOTE:
+# SmolLM2 at 2 bits, normal keys with uniform values against uniform levels: perplexity
+# 1.113x fp against 1.055x (kvpolicy eval, 4 pydoc segments, 768 + 128 tokens) but 1.015x
+# against 1.092x on 2 other segments; KL to fp lower in all four runs measured (768 and
+# 3,072 tokens); retrieval top-1 0.833x fp against 0.859x. Not a consistent win, so a
+# fixed width keeps uniform levels; normal values were worse everywhere (1.267x).
 
 
 def levels_at(setting: str, bits: int, axis: str = "channel") -> Literal["uniform", "normal"]:
     """The levels a tensor with scales along ``axis`` uses at ``bits`` under the setting
-    ``setting`` (uniform, normal or auto; see :data:`NORMAL_LEVELS_UP_TO`). A width
-    without a normal table (8, 16 bits) is uniform."""
+    ``setting`` (uniform, normal or auto: uniform unless a budget chose). A width without
+    a normal table (8, 16 bits) is uniform."""
+    del axis  # the same rule for both axes (see the note above)
     if bits not in NORMAL_LEVELS:
         return "uniform"
-    if setting == "auto":
-        return "normal" if axis == "channel" and bits <= NORMAL_LEVELS_UP_TO else "uniform"
     return "normal" if setting == "normal" else "uniform"
 
 

@@ -42,9 +42,8 @@ from .schema import GROUP_TABLES, Calibration
 _SETTABLE = (
     "bits", "group_size", "axis", "pre_rope", "residual", "sinks", "rotation", "levels",
 )
-# The quantization levels (kernels.layout): "auto" is chosen by a budget's calibration, and
-# without one by rules.levels_at (normal levels for per-channel scales at up to
-# rules.NORMAL_LEVELS_UP_TO bits, uniform ones elsewhere).
+# The quantization levels (kernels.layout): "auto" is chosen per tensor by a budget's
+# calibration, and is uniform without one (rules.levels_at).
 LevelsSetting = Literal["uniform", "normal", "auto"]
 
 LayerSelector = Union[StrictInt, StrictStr, tuple[Union[StrictInt, StrictStr], ...]]

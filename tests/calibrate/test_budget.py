@@ -354,15 +354,15 @@ def test_smollm2_budget_allocation(smollm2):
     assert cal.metric == "loss-weighted attention-output error"
     keys = [t.bits for t in pol.tensors[::2]]
     values = [t.bits for t in pol.tensors[1::2]]
-    # Measured with levels auto (normal levels at 1 and 2 bits): keys get more bits than
-    # values on 12 of 30 layers and fewer on 4 (uniform levels: 17 and 0).
+    # Measured (levels auto: 9 keys and 9 values chose normal levels): keys get more bits
+    # than values on 14 of 30 layers, fewer on 2.
     more = sum(k > v for k, v in zip(keys, values, strict=True))
     fewer = sum(k < v for k, v in zip(keys, values, strict=True))
     assert more >= 2 * fewer + 2
-    # Weighted by the loss, 2-bit keys cost more than 2-bit values on 20 of 30 layers, up
-    # to 21x (uniform levels: 28 of 30, up to 140x).
+    # Weighted by the loss, 2-bit keys (uniform levels) cost more than 2-bit values on 28 of
+    # 30 layers (the relative output error says 23), up to 140x.
     k2 = [cal.errors(i, "key")[2] for i in pol.layers]
     v2 = [cal.errors(i, "value")[2] for i in pol.layers]
-    assert sum(k > v for k, v in zip(k2, v2, strict=True)) >= 18
+    assert sum(k > v for k, v in zip(k2, v2, strict=True)) >= 25
     # Model parameters are left as they were: no gradients kept.
     assert all(p.grad is None for p in model.parameters())

@@ -70,8 +70,8 @@ def test_encoding_follows_the_rule_and_torch_backend_is_bit_identical(axis, bits
 
 @pytest.mark.parametrize("axis", AXES)
 def test_normal_levels_beat_uniform_at_two_bits_and_lose_at_four_on_gaussian_data(axis):
-    """The reason for levels: auto (rules.NORMAL_LEVELS_UP_TO): on Gaussian groups of 32 the
-    Lloyd-Max levels cut the 2-bit error; at 4 bits the uniform grid's exact extremes win."""
+    """On Gaussian groups of 32 the Lloyd-Max levels cut the 2-bit error; at 4 bits the
+    uniform grid's exact extremes win."""
     x = torch.randn(1, 4, 256, 64, generator=torch.Generator().manual_seed(7))
 
     def err(bits: int, levels: str) -> float:

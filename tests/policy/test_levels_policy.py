@@ -6,7 +6,7 @@ import torch
 from policy_factories import build, raises
 
 import kvpolicy
-from kvpolicy.policy import NORMAL_LEVELS_UP_TO, levels_at
+from kvpolicy.policy import levels_at
 from kvpolicy.zoo.tiny import tiny_model
 
 
@@ -14,23 +14,15 @@ def _levels(policy) -> set[tuple[str, int, str]]:
     return {(t.tensor.value, t.bits, t.code_levels) for t in policy.tensors}
 
 
-def test_auto_is_normal_for_per_channel_scales_up_to_two_bits_and_uniform_elsewhere():
-    assert NORMAL_LEVELS_UP_TO == 2
-    assert [levels_at("auto", b, "channel") for b in (1, 2, 3, 4, 8, 16)] == [
-        "normal", "normal", "uniform", "uniform", "uniform", "uniform"]
-    assert {levels_at("auto", b, "token") for b in (1, 2, 3, 4, 8)} == {"uniform"}
+def test_auto_is_uniform_without_a_budget_and_normal_is_opt_in():
+    assert {levels_at("auto", b, a) for b in (1, 2, 3, 4, 8, 16)
+            for a in ("channel", "token")} == {"uniform"}
     assert levels_at("normal", 16) == levels_at("normal", 8) == "uniform"  # no table
-    # The derived axes: keys per channel, values per token.
-    assert _levels(build(bits=2)) == {("key", 2, "normal"), ("value", 2, "uniform")}
-    assert _levels(build(bits=3)) == {("key", 3, "uniform"), ("value", 3, "uniform")}
-    # An axis override moves the levels with it.
-    flipped = build({"overrides": [{"layers": "*", "tensor": "value", "axis": "channel"}]})
-    assert _levels(flipped) == {("key", 2, "normal"), ("value", 2, "normal")}
-    reason = build(bits=2).tensors[0].reason
-    assert "levels auto: normal (normal, Lloyd-Max levels for a Gaussian" in reason
-    assert "levels auto: uniform (normal" in build(bits=2).tensors[1].reason
-    assert "levels" not in build(bits=3, policy={"defaults": {"levels": "uniform"}}
-                                 ).tensors[0].reason
+    assert levels_at("normal", 2, "token") == "normal"
+    assert _levels(build(bits=2)) == {("key", 2, "uniform"), ("value", 2, "uniform")}
+    assert "levels" not in build(bits=2).tensors[0].reason
+    keys = build({"overrides": [{"layers": "*", "tensor": "key", "levels": "normal"}]})
+    assert _levels(keys) == {("key", 2, "normal"), ("value", 2, "uniform")}
 
 
 def test_defaults_and_rules_set_levels_per_tensor():
@@ -42,6 +34,7 @@ def test_defaults_and_rules_set_levels_per_tensor():
     assert got[(0, "key")] == got[(0, "value")] == got[(1, "value")] == "uniform"
     assert got[(1, "key")] == got[(2, "key")] == "normal"
     assert "normal levels (Lloyd-Max levels for a Gaussian" in policy.get(1, "key").reason
+    assert "levels" not in policy.get(0, "key").reason
     # A saved calibration is refused once the levels change.
     assert policy.calibration_key() != build({"defaults": {"levels": "uniform"}}
                                              ).calibration_key()

@@ -20,7 +20,7 @@ def test_table_groups_identical_layers_and_shows_values():
     # Footer: the achieved average and the packed bytes per token against fp16.
     assert lines[-1].startswith("average 2.000 code bits per cached element;")
     assert "5.33x smaller" in lines[-1]  # 2 bits + fp16 scale and zero per 32 = 3 bits
-    assert rows[0][:10] == ["0-3", "key", "channel", "2", "32", "normal", "yes", "128", "4", "-"]
+    assert rows[0][:10] == ["0-3", "key", "channel", "2", "32", "uniform", "yes", "128", "4", "-"]
     assert rows[1][:10] == ["0-3", "value", "token", "2", "32", "uniform", "-", "128", "4", "-"]
     assert "q·kᵀ sums over channels" in lines[3]
 

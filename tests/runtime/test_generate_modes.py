@@ -52,8 +52,7 @@ FP_GAP = 1e-2  # 2 bits must move the logits by at least this (a cache that skip
 
 def _specs(arch: str) -> tuple[QuantSpec, QuantSpec]:
     g = ARCHS[arch][0]
-    # The default levels (auto) at this width: normal keys (per-channel scales), uniform
-    # values.
+    # The default levels (auto) at this width: uniform without a budget.
     return (QuantSpec(BITS, g, "channel", levels_at("auto", BITS, "channel")),
             QuantSpec(BITS, g, "token", levels_at("auto", BITS, "token")))
 
