@@ -73,7 +73,7 @@ class Frozen(BaseModel):
 # SmolLM2 at 2 bits, normal keys with uniform values against uniform levels: perplexity
 # 1.113x fp against 1.055x (kvpolicy eval, 4 pydoc segments, 768 + 128 tokens) but 1.015x
 # against 1.092x on 2 other segments; KL to fp lower in all four runs measured (768 and
-# 3,072 tokens); retrieval top-1 0.833x fp against 0.859x. Not a consistent win, so a
+# 3,072 tokens); retrieval top-1 0.841x fp against 0.868x. Not a consistent win, so a
 # fixed width keeps uniform levels; normal values were worse everywhere (1.267x).
 
 
