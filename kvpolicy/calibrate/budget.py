@@ -367,27 +367,26 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
         dv[:, :, seg] = v_seg - v[:, :, seg]
         return error(out + torch.matmul(probs_quantized, expand_heads(dv, hq)))
 
-    # levels: auto measures uniform levels, then normal ones where the width has a table.
+    # levels: auto measures uniform levels (levels_at), then normal ones where the width
+    # has a table.
     key_normal: Rows | None = {g: [] for g in key_groups} if kp.levels == "auto" else None
     value_normal: Rows | None = {g: [] for g in value_groups} if vp.levels == "auto" else None
 
-    def levels(t: TensorPolicy, w: int) -> str:
-        return "uniform" if t.levels == "auto" else levels_at(t.levels, w, t.axis.value)
-
     for w in widths:
         normal_fits = w in NORMAL_LEVELS
+        k_levels, v_levels = levels_at(kp.levels, w), levels_at(vp.levels, w)
         for g in key_groups:
             fits = _fits(w, g) and not kp.pinned_full_precision
-            key_errs[g].append(key_error(w, g, levels(kp, w)) if fits else None)
+            key_errs[g].append(key_error(w, g, k_levels) if fits else None)
             if key_normal is not None:
                 key_normal[g].append(key_error(w, g, "normal") if fits and normal_fits
                                      else None)
         for g in value_groups:
             fits = _fits(w, g) and not vp.pinned_full_precision
-            value_errs[g].append(value_error(w, g, rotations[0], levels(vp, w)) if fits else None)
+            value_errs[g].append(value_error(w, g, rotations[0], v_levels) if fits else None)
             if rotated_errs is not None:
-                rotated_errs[g].append(value_error(w, g, rotations[1], levels(vp, w))
-                                       if fits else None)
+                rotated_errs[g].append(value_error(w, g, rotations[1], v_levels) if fits
+                                       else None)
             if value_normal is not None:
                 value_normal[g].append(value_error(w, g, rotations[0], "normal")
                                        if fits and normal_fits else None)

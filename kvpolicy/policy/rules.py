@@ -77,11 +77,10 @@ class Frozen(BaseModel):
 # fixed width keeps uniform levels; normal values were worse everywhere (1.267x).
 
 
-def levels_at(setting: str, bits: int, axis: str = "channel") -> Literal["uniform", "normal"]:
-    """The levels a tensor with scales along ``axis`` uses at ``bits`` under the setting
-    ``setting`` (uniform, normal or auto: uniform unless a budget chose). A width without
-    a normal table (8, 16 bits) is uniform."""
-    del axis  # the same rule for both axes (see the note above)
+def levels_at(setting: str, bits: int) -> Literal["uniform", "normal"]:
+    """The levels a tensor uses at ``bits`` under the setting ``setting`` (uniform, normal
+    or auto: uniform unless a budget chose). A width without a normal table (8, 16 bits) is
+    uniform."""
     if bits not in NORMAL_LEVELS:
         return "uniform"
     return "normal" if setting == "normal" else "uniform"

@@ -281,7 +281,7 @@ class TensorPolicy(Frozen):
     def code_levels(self) -> Literal["uniform", "normal"]:
         """The levels the cache quantizes this tensor with at its width
         (``kernels.layout``; ``levels: auto`` by ``rules.levels_at``)."""
-        return levels_at(self.levels, self.bits, self.axis.value)
+        return levels_at(self.levels, self.bits)
 
     @property
     def pinned_full_precision(self) -> bool:

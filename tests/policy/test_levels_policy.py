@@ -15,10 +15,9 @@ def _levels(policy) -> set[tuple[str, int, str]]:
 
 
 def test_auto_is_uniform_without_a_budget_and_normal_is_opt_in():
-    assert {levels_at("auto", b, a) for b in (1, 2, 3, 4, 8, 16)
-            for a in ("channel", "token")} == {"uniform"}
+    assert {levels_at("auto", b) for b in (1, 2, 3, 4, 8, 16)} == {"uniform"}
     assert levels_at("normal", 16) == levels_at("normal", 8) == "uniform"  # no table
-    assert levels_at("normal", 2, "token") == "normal"
+    assert levels_at("normal", 2) == "normal"
     assert _levels(build(bits=2)) == {("key", 2, "uniform"), ("value", 2, "uniform")}
     assert "levels" not in build(bits=2).tensors[0].reason
     keys = build({"overrides": [{"layers": "*", "tensor": "key", "levels": "normal"}]})

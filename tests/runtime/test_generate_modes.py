@@ -53,8 +53,8 @@ FP_GAP = 1e-2  # 2 bits must move the logits by at least this (a cache that skip
 def _specs(arch: str) -> tuple[QuantSpec, QuantSpec]:
     g = ARCHS[arch][0]
     # The default levels (auto) at this width: uniform without a budget.
-    return (QuantSpec(BITS, g, "channel", levels_at("auto", BITS, "channel")),
-            QuantSpec(BITS, g, "token", levels_at("auto", BITS, "token")))
+    levels = levels_at("auto", BITS)
+    return QuantSpec(BITS, g, "channel", levels), QuantSpec(BITS, g, "token", levels)
 
 
 def _fake_quant(x: torch.Tensor, lo: int, hi: int, spec: QuantSpec) -> torch.Tensor:
