@@ -27,6 +27,21 @@ Codes are computed against the *stored* (rounded) scale and zero so that dequant
 reproduces exactly what the quantizer assumed. The metadata is the same two numbers per
 group either way, so the stored bytes do not depend on the levels.
 
+Metadata width (``QuantSpec.meta_bits``, uniform levels only at 8): 16 stores scale and
+zero in the cache dtype, as above. 8 stores each in one byte
+
+    scale index  uint8  i = the smallest i with SCALE_TABLE[i] >= (max - min) / (2**bits - 1)
+                        (:func:`scale_table`: 2**((i - 128) / 8), steps of 9%)
+    zero point   int8   p = round(-min / scale),  zero = -p * scale
+    code  = clamp(round((x - zero) / scale), 0, 2**bits - 1)
+
+so the grid is at most one 9% step coarser than the fp16 one, and its zero sits on a
+multiple of the step (the rounding moves the grid by at most half a step, which the
+clamp absorbs at the ends). Where ``|min| / scale`` would not fit an int8 the scale
+widens until it does (``|min| <= 127 * scale``), so every group is representable:
+only a group far from zero relative to its spread pays a coarser step. At 2 bits and
+groups of 16 this is 2 + 16/16 = 3.0 stored bits, what groups of 32 cost in fp16.
+
 Two layouts, named by the axis along which the scales vary (docs/design.md §1):
 
 ``Axis "channel"`` (keys: contracted over channels -> one scale per channel)
@@ -71,8 +86,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "SUPPORTED_BITS", "FULL_PRECISION", "LEVELS", "NORMAL_LEVELS", "byte_aligned",
-    "level_table", "thresholds", "QuantSpec", "Packed", "RotarySpec",
+    "SUPPORTED_BITS", "FULL_PRECISION", "LEVELS", "NORMAL_LEVELS", "META_BITS",
+    "byte_aligned", "level_table", "thresholds", "scale_table", "QuantSpec", "Packed",
+    "RotarySpec",
 ]
 
 # The code widths the packed layout supports; 16 means "kept in full precision".
@@ -117,14 +133,31 @@ def thresholds(bits: int) -> tuple[float, ...]:
     return tuple(struct.unpack("f", struct.pack("f", m))[0] for m in mids)
 
 
+# Widths of the stored scale and zero: 16 (the cache dtype) or 8 (one byte each).
+META_BITS: tuple[int, ...] = (16, 8)
+# Scale index i stands for 2**((i - _SCALE_BIAS) / _SCALE_STEPS): 2**-16 .. 2**15.875.
+_SCALE_STEPS, _SCALE_BIAS = 8, 128
+
+
+def scale_table() -> tuple[float, ...]:
+    """The 256 scales an 8-bit scale index stands for, ``2**((i - 128) / 8)`` rounded to
+    fp32, increasing: every backend reads a scale from this one table, so all agree."""
+    return tuple(
+        struct.unpack("f", struct.pack("f", 2.0 ** ((i - _SCALE_BIAS) / _SCALE_STEPS)))[0]
+        for i in range(256)
+    )
+
+
 @dataclass(frozen=True)
 class QuantSpec:
-    """How one cached tensor is quantized: code width, group size, scale axis and levels."""
+    """How one cached tensor is quantized: code width, group size, scale axis, levels and
+    the width of its stored scale and zero."""
 
     bits: int
     group_size: int
     axis: AxisName
     levels: LevelsName = "uniform"
+    meta_bits: int = 16
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -137,6 +170,15 @@ class QuantSpec:
             raise CacheError(
                 f"levels='normal' has tables for bits {tuple(NORMAL_LEVELS)}, not "
                 f"bits={self.bits}; use levels='uniform' at {self.bits} bits"
+            )
+        if self.meta_bits not in META_BITS:
+            raise CacheError(
+                f"meta_bits={self.meta_bits} is not supported; use one of {META_BITS}"
+            )
+        if self.meta_bits == 8 and self.levels == "normal" and not self.full_precision:
+            raise CacheError(
+                "meta_bits=8 stores a zero point on the uniform grid, which normal levels do "
+                "not have; use levels='uniform' with meta_bits=8, or meta_bits=16"
             )
         if self.group_size < 1:
             raise CacheError(f"group_size={self.group_size} must be a positive integer")
@@ -156,6 +198,11 @@ class QuantSpec:
     def uniform(self) -> bool:
         """Evenly spaced levels: a code's value is the code itself (no table lookup)."""
         return self.levels == "uniform" or self.full_precision
+
+    @property
+    def meta8(self) -> bool:
+        """Scale and zero stored in one byte each (uint8 scale index, int8 zero point)."""
+        return self.meta_bits == 8 and not self.full_precision
 
     @property
     def table(self) -> tuple[float, ...]:

@@ -30,13 +30,14 @@ import torch
 
 from ..errors import CacheError
 from .contract import Backend, compose_decode
-from .layout import Packed, QuantSpec, RotarySpec, byte_aligned, thresholds
+from .layout import Packed, QuantSpec, RotarySpec, byte_aligned, scale_table, thresholds
 
 __all__ = [
     "pack_bits",
     "unpack_bits",
     "encode_groups",
     "code_values",
+    "meta_values",
     "quantize",
     "dequantize",
     "apply_rope",
@@ -134,6 +135,8 @@ def encode_groups(
     ``dtype``; the codes are computed against the stored (rounded) scale and zero. Shared
     by the torch backend, so that its codes are bit-identical to these.
     """
+    if spec.meta8:
+        return _encode_meta8(groups, spec)
     if spec.uniform:
         top = (1 << spec.bits) - 1
         lo = groups.amin(dim=-1)
@@ -155,6 +158,40 @@ def encode_groups(
         codes = torch.bucketize(((groups - z32) / safe).contiguous(), edges)
     codes = torch.where(s32 > 0, codes, torch.zeros_like(codes)).to(torch.uint8)
     return codes, scale, zero
+
+
+def _encode_meta8(
+    groups: torch.Tensor, spec: QuantSpec
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`encode_groups` with 8-bit metadata (uniform levels): a uint8 scale index into
+    :func:`~kvpolicy.kernels.layout.scale_table` and an int8 zero point."""
+    top = (1 << spec.bits) - 1
+    lo = groups.amin(dim=-1)
+    hi = groups.amax(dim=-1)
+    # The step the group needs, widened so that its zero point fits an int8.
+    need = torch.maximum((hi - lo) / top, lo.abs() / 127)
+    table = _scale_table(groups.device)
+    index = torch.searchsorted(table, need.contiguous()).clamp_(max=255)
+    s32 = table[index]
+    point = torch.round(-lo / s32).clamp_(-128, 127)
+    z32 = -point * s32
+    codes = torch.round((groups - z32.unsqueeze(-1)) / s32.unsqueeze(-1)).clamp_(0, top)
+    return codes.to(torch.uint8), index.to(torch.uint8), point.to(torch.int8)
+
+
+def _scale_table(device: torch.device) -> torch.Tensor:
+    return torch.tensor(scale_table(), dtype=torch.float32, device=device)
+
+
+def meta_values(
+    scale: torch.Tensor, zero: torch.Tensor, spec: QuantSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 scale and zero of stored metadata: as stored, or for 8-bit metadata
+    ``scale_table()[index]`` and ``-point * scale``."""
+    if not spec.meta8:
+        return scale.float(), zero.float()
+    s32 = _scale_table(scale.device)[scale.long()]
+    return s32, -zero.float() * s32
 
 
 def code_values(codes: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -208,7 +245,8 @@ def dequantize(p: Packed, spec: QuantSpec, dtype: torch.dtype = torch.float32) -
         b, h, n, _, d = codes.shape
         g = spec.group_size
         c = code_values(unpack_bits(codes.transpose(3, 4), spec.bits), spec)  # [B,H,n,D,G]
-        x = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+        s32, z32 = meta_values(scale, zero, spec)
+        x = c * s32.unsqueeze(-1) + z32.unsqueeze(-1)
         return x.transpose(3, 4).reshape(b, h, n * g, d).to(dtype)
     if codes.dim() != 4:
         raise CacheError(f"token-packed codes must be 4-D, got {tuple(codes.shape)}")
@@ -216,7 +254,8 @@ def dequantize(p: Packed, spec: QuantSpec, dtype: torch.dtype = torch.float32) -
     c = code_values(unpack_bits(codes, spec.bits), spec)  # [B,H,T,D]
     d = c.shape[-1]
     c = c.reshape(b, h, t, d // spec.group_size, spec.group_size)
-    x = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    s32, z32 = meta_values(scale, zero, spec)
+    x = c * s32.unsqueeze(-1) + z32.unsqueeze(-1)
     return x.reshape(b, h, t, d).to(dtype)
 
 

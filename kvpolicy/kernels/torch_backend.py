@@ -197,13 +197,15 @@ def dequantize(p: Packed, spec: QuantSpec, dtype: torch.dtype = torch.float32) -
         b, h, n, _, d = codes.shape
         c = reference.code_values(unpack_bits(codes.transpose(3, 4), spec.bits), spec)
         # Not addcmul: its fused multiply-add rounds once and would differ from the reference.
-        x = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+        s32, z32 = reference.meta_values(scale, zero, spec)
+        x = c * s32.unsqueeze(-1) + z32.unsqueeze(-1)
         return x.transpose(3, 4).reshape(b, h, n * spec.group_size, d).to(dtype)
     b, h, t, _ = codes.shape
     c = reference.code_values(unpack_bits(codes, spec.bits), spec)
     d = c.shape[-1]
     c = c.reshape(b, h, t, d // spec.group_size, spec.group_size)
-    x = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    s32, z32 = reference.meta_values(scale, zero, spec)
+    x = c * s32.unsqueeze(-1) + z32.unsqueeze(-1)
     return x.reshape(b, h, t, d).to(dtype)
 
 
