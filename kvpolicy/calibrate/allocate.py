@@ -149,7 +149,7 @@ def allocate_stored(
     errors: Sequence[Mapping[Option, float]],
     sizes: Sequence[int],
     budget: float,
-    scale_bits: int = 16,
+    scale_bits: int | Sequence[int] = 16,
 ) -> list[Option]:
     """Choose one ``(width, group size)`` per tensor: smallest summed error with a
     stored-bits budget held, scales and zeros counted (:func:`stored_bits`).
@@ -161,7 +161,8 @@ def allocate_stored(
         sizes: per tensor, elements per token.
         budget: the average stored bits per element over all tensors.
         scale_bits: bits of one scale (and of one zero): 16 for the fp16/bf16 storage of
-            ``runtime.cache.storage_dtype``.
+            ``runtime.cache.storage_dtype``, 8 for 8-bit metadata; one for every tensor or
+            one per tensor.
 
     Returns:
         The option of every tensor. Exact, deterministic; ties go to the smaller stored
@@ -176,7 +177,10 @@ def allocate_stored(
         if not errs:
             raise PolicyError(f"tensor {i} has no feasible (width, group size) to allocate")
     # Exact sizes: elements x (width + 2 x scale_bits / group) over a common denominator.
-    exact = [{o: sizes[i] * _stored_exact(*o, scale_bits) for o in errs}
+    per_tensor = [scale_bits] * len(errors) if isinstance(scale_bits, int) else list(scale_bits)
+    if len(per_tensor) != len(errors):
+        raise ValueError(f"{len(per_tensor)} scale widths for {len(errors)} tensors")
+    exact = [{o: sizes[i] * _stored_exact(*o, per_tensor[i]) for o in errs}
              for i, errs in enumerate(errors)]
     denom = math.lcm(*(f.denominator for row in exact for f in row.values()))
     units = [{o: int(f * denom) for o, f in row.items()} for row in exact]

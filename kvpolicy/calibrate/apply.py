@@ -229,13 +229,15 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
                 )
         options.append(opts)
     sizes = [t.elements_per_token for t in tensors]
-    chosen = allocate_stored(options, sizes, budget, scale_bits)
+    # Each tensor's scale and zero: the cache dtype's, or a byte with 8-bit metadata.
+    meta = [8 * t.meta_bytes(scale_bits // 8) for t in tensors]
+    chosen = allocate_stored(options, sizes, budget, meta)
     out = []
     for i, (t, (w, g)) in enumerate(zip(tensors, chosen, strict=True)):
         data = t.model_dump()
-        sb = stored_bits(w, g, scale_bits)
+        sb = stored_bits(w, g, meta[i])
         what = (f"{_bits(w)}, group {g}: {sb:.2f} stored bits per "
-                f"element ({w} + 2 x {scale_bits}/{g})" if w < 16 else
+                f"element ({w} + 2 x {meta[i]}/{g})" if w < 16 else
                 "16 bits: 16.00 stored bits per element, no scales")
         pinned = t.bits_from == "rule"
         if pinned:
@@ -246,7 +248,7 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
                       f"{calibration.metric} of quantizing this tensor alone")
         if t.group_sizes and w < 16:
             at_w = " · ".join(
-                f"group {x} {_fmt(options[i][(w, x)])} ({stored_bits(w, x, scale_bits):.2f})"
+                f"group {x} {_fmt(options[i][(w, x)])} ({stored_bits(w, x, meta[i]):.2f})"
                 for x in t.group_sizes if (w, x) in options[i])
             reason += f"; at {_bits(w)}: {at_w}"
         if not pinned:

@@ -76,7 +76,6 @@ from ..policy import (
     LayerSensitivity,
     ModelPolicy,
     TensorPolicy,
-    levels_at,
 )
 from ..zoo.text import pydoc_tokens
 from .allocate import allocate
@@ -346,7 +345,7 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
 
     def key_error(w: int, g: int, levels: str) -> float:
         stored = act.key_pre if pre_rope else k
-        spec = QuantSpec(w, g, kp.axis.value, levels)  # type: ignore[arg-type]
+        spec = QuantSpec(w, g, kp.axis.value, levels, kp.meta_bits)  # type: ignore[arg-type]
         k_seg = roundtrip(stored[:, :, seg].contiguous(), spec, store)
         if pre_rope:
             k_seg = reference.apply_rope(k_seg, positions[:, seg], rope)
@@ -357,7 +356,7 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
         return error(torch.matmul(torch.softmax(s_mix, dim=-1), v_heads))
 
     def value_error(w: int, g: int, rotation: str, levels: str) -> float:
-        spec = QuantSpec(w, g, vp.axis.value, levels)  # type: ignore[arg-type]
+        spec = QuantSpec(w, g, vp.axis.value, levels, vp.meta_bits)  # type: ignore[arg-type]
         rot = rotation_matrix(rotation, v.shape[-1], v.device)
         if rot is None:
             v_seg = roundtrip(v[:, :, seg].contiguous(), spec, store)
@@ -369,12 +368,16 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
 
     # levels: auto measures uniform levels (levels_at), then normal ones where the width
     # has a table.
-    key_normal: Rows | None = {g: [] for g in key_groups} if kp.levels == "auto" else None
-    value_normal: Rows | None = {g: [] for g in value_groups} if vp.levels == "auto" else None
+    # (8-bit metadata has uniform levels only.)
+    key_normal: Rows | None = ({g: [] for g in key_groups}
+                               if kp.levels == "auto" and kp.meta_bits == 16 else None)
+    value_normal: Rows | None = ({g: [] for g in value_groups}
+                                 if vp.levels == "auto" and vp.meta_bits == 16 else None)
 
     for w in widths:
         normal_fits = w in NORMAL_LEVELS
-        k_levels, v_levels = levels_at(kp.levels, w), levels_at(vp.levels, w)
+        k_levels = kp.model_copy(update={"bits": w}).code_levels
+        v_levels = vp.model_copy(update={"bits": w}).code_levels
         for g in key_groups:
             fits = _fits(w, g) and not kp.pinned_full_precision
             key_errs[g].append(key_error(w, g, k_levels) if fits else None)

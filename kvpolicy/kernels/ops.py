@@ -9,7 +9,8 @@ without running a kernel, so that ``torch.compile``, ``torch.export`` and
 ``FakeTensorMode`` see through a packing call without tracing the backend's Python.
 
 A :class:`~kvpolicy.kernels.layout.QuantSpec` is a Python object, which an op cannot
-take: its three fields are the op's ``bits``, ``group_size`` and ``axis`` arguments and
+take: its fields are the op's ``bits``, ``group_size``, ``axis``, ``levels`` and
+``meta_bits`` arguments and
 the real implementation rebuilds it (``QuantSpec`` validates them, so a bad spec is the
 same :class:`~kvpolicy.errors.CacheError` as without the op).
 
@@ -60,15 +61,16 @@ def packed_shapes(
 @torch.library.custom_op("kvpolicy::quantize", mutates_args=())
 def quantize(
     x: torch.Tensor, bits: int, group_size: int, axis: str, dtype: torch.dtype | None = None,
-    backend: str = "auto", levels: str = "uniform",
+    backend: str = "auto", levels: str = "uniform", meta_bits: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(codes, scale, zero)`` of ``x [B, H, T, D]`` packed with ``bits``/``group_size``
     along ``axis`` (``"channel"`` or ``"token"``) with ``levels`` (``"uniform"`` or
     ``"normal"``, :mod:`kvpolicy.kernels.layout`) by ``backend`` (one of
     :data:`kvpolicy.kernels.backend.BACKENDS`); scale and zero (and, at 16 bits, the plain
-    tensor in ``codes``) in ``dtype``, default ``x``'s. At 16 bits scale and zero are empty.
+    tensor in ``codes``) in ``dtype``, default ``x``'s, or with ``meta_bits=8`` a uint8
+    scale index and an int8 zero point. At 16 bits scale and zero are empty.
     """
-    spec = QuantSpec(bits, group_size, axis, levels)  # type: ignore[arg-type]  # checked there
+    spec = QuantSpec(bits, group_size, axis, levels, meta_bits)  # type: ignore[arg-type]
     codes, scale, zero = select(backend, x.device).quantize(x, spec, dtype)
     if spec.full_precision:
         # The kernels return x itself (x.to(dtype) of the same dtype) and one empty tensor
@@ -83,14 +85,16 @@ def quantize(
 @quantize.register_fake
 def _quantize_fake(
     x: torch.Tensor, bits: int, group_size: int, axis: str, dtype: torch.dtype | None = None,
-    backend: str = "auto", levels: str = "uniform",
+    backend: str = "auto", levels: str = "uniform", meta_bits: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    spec = QuantSpec(bits, group_size, axis, levels)  # type: ignore[arg-type]
+    spec = QuantSpec(bits, group_size, axis, levels, meta_bits)  # type: ignore[arg-type]
     store = x.dtype if dtype is None else dtype
     codes_shape, scale_shape = packed_shapes(tuple(x.shape), spec)
     codes_dtype = store if spec.full_precision else torch.uint8
-    return (x.new_empty(codes_shape, dtype=codes_dtype), x.new_empty(scale_shape, dtype=store),
-            x.new_empty(scale_shape, dtype=store))
+    scale_dtype, zero_dtype = (torch.uint8, torch.int8) if spec.meta8 else (store, store)
+    return (x.new_empty(codes_shape, dtype=codes_dtype),
+            x.new_empty(scale_shape, dtype=scale_dtype),
+            x.new_empty(scale_shape, dtype=zero_dtype))
 
 
 def quantize_packed(
@@ -99,4 +103,4 @@ def quantize_packed(
     """:func:`quantize` with a ``QuantSpec``, as a :class:`Packed` (the backends' contract,
     ``kernels.contract.Quantize``, through the op)."""
     return Packed(*quantize(x, spec.bits, spec.group_size, spec.axis, dtype, backend,
-                            spec.levels))
+                            spec.levels, spec.meta_bits))

@@ -60,14 +60,16 @@ def _groups(axis: Axis, group_size: int, candidates: Sequence[int] = ()) -> str:
 
 def _group_candidates(
     setting: str | tuple[int, ...], axis: Axis, head_dim: int, bits: int, pinned: bool,
-    where: str, what: str,
+    where: str, what: str, meta_bits: int = 16,
 ) -> tuple[int, tuple[int, ...], int | None]:
     """``(group_size, candidates, fallback_from)`` for ``group_size: auto`` or a list under
     a stored-bits budget: the candidates that fit the tensor (any groups tokens; only
     divisors of head_dim group channels; at a width a rule pins, only byte-aligned ones),
     the smallest as the starting size. None fit: for ``auto`` the fallback of a default
-    group (``fallback_from`` says from which), for a list an error."""
-    choices = GROUP_CHOICES if setting == "auto" else tuple(setting)
+    group (``fallback_from`` says from which), for a list an error. With 8-bit metadata
+    ``auto`` halves the candidates, so they cost the same stored bits."""
+    choices = tuple(setting) if setting != "auto" else (
+        tuple(g // 2 for g in GROUP_CHOICES) if meta_bits == 8 else GROUP_CHOICES)
     if bits == FULL_PRECISION:  # kept in full precision: no groups to choose
         return choices[0], (), None
     fit = [g for g in choices
@@ -165,6 +167,11 @@ def _reason(
         )
     if values["bits"] < FULL_PRECISION and values["levels"] == "normal":
         parts.append(_levels_text())
+    if values["bits"] < FULL_PRECISION and values.get("meta_bits", 16) == 8:
+        parts.append(
+            "scale and zero in 8 bits each (a scale index and a zero point on the grid), "
+            "half the metadata of the cache dtype"
+        )
     if fallback_from is not None:
         parts.append(
             f"group {group_size}: the default {fallback_from} does not divide "
@@ -243,6 +250,7 @@ def build_policy(
                 # In the defaults a rotation means the values' (see spec.Defaults).
                 "rotation": d.rotation if kind is TensorKind.VALUE else "none",
                 "levels": d.levels,
+                "meta_bits": d.meta_bits,
             }
             origins = dict.fromkeys(values, _DEFAULTS)
             if d.axis is None:
@@ -275,7 +283,8 @@ def build_policy(
                     )
                 values["group_size"], values["group_sizes"], fallback_from = _group_candidates(
                     values["group_size"], values["axis"], tf.head_dim, values["bits"],
-                    origins["bits"] >= 0, where, f"layer {lf.layer} {kind.value}")
+                    origins["bits"] >= 0, where, f"layer {lf.layer} {kind.value}",
+                    values["meta_bits"])
             if (
                 values["axis"] is Axis.TOKEN
                 and values["bits"] < FULL_PRECISION

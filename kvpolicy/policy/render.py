@@ -29,7 +29,8 @@ def ranges(layers: Sequence[int]) -> str:
 
 
 _COLUMNS = (
-    "layers", "tensor", "axis", "bits", "G", "levels", "pre-RoPE", "R", "sinks", "override",
+    "layers", "tensor", "axis", "bits", "G", "levels", "meta", "pre-RoPE", "R", "sinks",
+    "override",
 )
 
 
@@ -46,6 +47,7 @@ def _row(label: str, t: Any) -> list[str]:
         str(t.bits),
         str(t.group_size),
         "-" if t.full_precision else t.code_levels,
+        "-" if t.full_precision else str(t.meta_bits),
         pre_rope,
         str(t.residual),
         str(t.sinks),
@@ -113,6 +115,6 @@ def _footer(policy: Any) -> str:
         text += ")"
     return (
         f"{text}; {packed:,.0f} bytes per packed token vs {fp16:,} in fp16 "
-        f"({fp16 / packed:.2f}x smaller; fp16 scales and zeros counted, the full-precision "
+        f"({fp16 / packed:.2f}x smaller; scales and zeros counted, the full-precision "
         "sink and residual windows not)"
     )

@@ -32,7 +32,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..errors import PolicyError
-from ..kernels.layout import NORMAL_LEVELS
+from ..kernels.layout import NORMAL_LEVELS, QuantSpec
 from .messages import translate
 from .render import ranges, render_table
 from .rules import (
@@ -206,6 +206,9 @@ class TensorPolicy(Frozen):
     # The levels setting (uniform, normal or auto: a budget measures both, else
     # rules.levels_at); ``code_levels`` is what the cache uses at ``bits``.
     levels: Literal["uniform", "normal", "auto"] = "uniform"
+    # Width of the stored scale and zero (kernels.layout): 16, the cache dtype; 8, a byte
+    # each (a scale index and a zero point; uniform levels).
+    meta_bits: Literal[16, 8] = 16
     reason: StrictStr
 
     @field_validator("bits")
@@ -253,6 +256,14 @@ class TensorPolicy(Frozen):
                 f"normal levels have tables for {list(NORMAL_LEVELS)} bits, not {self.bits}; "
                 "use levels: uniform (or auto) at this width",
             )
+        if self.meta_bits == 8 and self.levels == "normal" and not self.full_precision:
+            raise invalid(
+                "meta_bits",
+                "8-bit metadata stores a zero point on the uniform grid, which normal levels "
+                "do not have; use levels: uniform (or auto) with meta_bits: 8, or meta_bits: 16",
+                "meta_bits",
+                "levels",
+            )
         if self.derived_pre_rope and self.rope is None:
             raise invalid("derived_pre_rope", "derived_pre_rope is true but rope is null")
         if self.group_sizes:
@@ -280,8 +291,14 @@ class TensorPolicy(Frozen):
     @property
     def code_levels(self) -> Literal["uniform", "normal"]:
         """The levels the cache quantizes this tensor with at its width
-        (``kernels.layout``; ``levels: auto`` by ``rules.levels_at``)."""
-        return levels_at(self.levels, self.bits)
+        (``kernels.layout``; ``levels: auto`` by ``rules.levels_at``; uniform with 8-bit
+        metadata)."""
+        return "uniform" if self.meta_bits == 8 else levels_at(self.levels, self.bits)
+
+    def quant_spec(self) -> QuantSpec:
+        """The kernels' :class:`~kvpolicy.kernels.layout.QuantSpec` of this tensor."""
+        return QuantSpec(self.bits, self.group_size, self.axis.value,  # type: ignore[arg-type]
+                         self.code_levels, self.meta_bits)
 
     @property
     def pinned_full_precision(self) -> bool:
@@ -293,20 +310,25 @@ class TensorPolicy(Frozen):
     def elements_per_token(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def meta_bytes(self, scale_bytes: int = 2) -> int:
+        """Bytes of one stored scale (and of one zero): ``scale_bytes`` (the cache dtype's;
+        fp16 by default), or 1 with 8-bit metadata."""
+        return 1 if self.meta_bits == 8 else scale_bytes
+
     def bytes_per_token(self, scale_bytes: int = 2) -> float:
         """Bytes one token of this tensor takes once packed: codes plus a scale and a zero
-        per group (``scale_bytes`` each; fp16 by default), or 2 bytes per element at 16 bits.
-        The full-precision sink and residual windows are not counted."""
+        per group (:meth:`meta_bytes` each), or 2 bytes per element at 16 bits. The
+        full-precision sink and residual windows are not counted."""
         if self.full_precision:
             return 2.0 * self.elements_per_token
         return self.elements_per_token * packed_bytes_per_element(
-            self.bits, self.group_size, scale_bytes
+            self.bits, self.group_size, self.meta_bytes(scale_bytes)
         )
 
     def stored_bits(self, scale_bytes: int = 2) -> float:
-        """Stored bits per packed element: ``bits + 2 * 8 * scale_bytes / group_size`` (the
+        """Stored bits per packed element: ``bits + 2 * 8 * meta_bytes / group_size`` (the
         code and its share of a scale and a zero), 16 in full precision."""
-        return stored_bits(self.bits, self.group_size, 8 * scale_bytes)
+        return stored_bits(self.bits, self.group_size, 8 * self.meta_bytes(scale_bytes))
 
 
 class ModelPolicy(Frozen):
@@ -411,6 +433,7 @@ class ModelPolicy(Frozen):
             + (":fp" if t.pinned_full_precision else "")
             + (f":rot={t.rotation}" if t.rotation != "none" else "")
             + (f":lv={t.levels}" if t.levels != "uniform" else "")
+            + (f":m{t.meta_bits}" if t.meta_bits != 16 else "")
             + (f":g={'/'.join(map(str, t.group_sizes))}" if t.group_sizes else "")
             for t in self.tensors
         ]

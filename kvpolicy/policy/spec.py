@@ -41,6 +41,7 @@ from .schema import GROUP_TABLES, Calibration
 
 _SETTABLE = (
     "bits", "group_size", "axis", "pre_rope", "residual", "sinks", "rotation", "levels",
+    "meta_bits",
 )
 # The quantization levels (kernels.layout): "auto" is chosen per tensor by a budget's
 # calibration, and is uniform without one (rules.levels_at).
@@ -136,6 +137,10 @@ class Defaults(Frozen):
     # The quantization levels (kernels.layout): uniform, normal (Lloyd-Max levels of a unit
     # Gaussian placed by each group's mean and deviation) or auto (rules.levels_at).
     levels: LevelsSetting = "auto"
+    # Width of each group's stored scale and zero (kernels.layout): 16 (the cache dtype) or
+    # 8 (a scale index and a zero point, uniform levels): at 2 bits and groups of 16,
+    # 3.0 stored bits per element, what groups of 32 cost at 16.
+    meta_bits: Literal[16, 8] = 16
 
     @field_validator("bits")
     @classmethod
@@ -202,6 +207,7 @@ class OverrideRule(Frozen):
     sinks: StrictInt | None = Field(default=None, ge=0)
     rotation: Literal["none", "hadamard", "auto"] | None = None
     levels: LevelsSetting | None = None
+    meta_bits: Literal[16, 8] | None = None
 
     @field_validator("layers", mode="before")
     @classmethod

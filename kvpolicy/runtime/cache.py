@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import CacheError, KVPolicyError
-from ..kernels.layout import QuantSpec, RotarySpec
+from ..kernels.layout import RotarySpec
 from ..policy import ModelPolicy
 from ..state import compiled_of
 from .layer import PackedKVLayer
@@ -244,8 +244,7 @@ def _packed_layer(
 ) -> PackedKVLayer:
     k, v = policy.get(layer, "key"), policy.get(layer, "value")
     return PackedKVLayer(
-        QuantSpec(k.bits, k.group_size, k.axis.value, k.code_levels),
-        QuantSpec(v.bits, v.group_size, v.axis.value, v.code_levels),
+        k.quant_spec(), v.quant_spec(),
         residual=k.residual, sinks=k.sinks, backend=backend, pre_rope=k.pre_rope,
         dtype=storage_dtype((k.bits, v.bits), model_dtype), window=window,
     )

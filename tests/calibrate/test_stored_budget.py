@@ -307,3 +307,14 @@ def test_inspect_command_takes_stored_bits(tmp_path, capsys):
     assert "stored-bits budget 2.75" in footer
     assert main([*argv, "--bits", "2.5", "--stored-bits", "3"]) == 2
     assert "give one of them" in capsys.readouterr().err
+
+
+def test_allocate_stored_counts_each_tensors_own_metadata_width():
+    """A tensor with 8-bit metadata pays 1 stored bit per element for groups of 16 where one
+    with fp16 metadata pays 2: at 3.0 stored bits the first affords groups of 16."""
+    errs = {(2, 16): 0.5, (2, 32): 1.0, (2, 64): 2.0}
+    assert allocate_stored([errs], [64], 3.0, 8) == [(2, 16)]
+    assert allocate_stored([errs], [64], 3.0, 16) == [(2, 32)]
+    assert allocate_stored([errs, errs], [64, 64], 3.0, [8, 16]) == [(2, 16), (2, 32)]
+    with pytest.raises(ValueError, match="1 scale widths for 2 tensors"):
+        allocate_stored([errs, errs], [64, 64], 3.0, [8])

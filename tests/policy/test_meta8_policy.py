@@ -1,0 +1,92 @@
+"""8-bit metadata as a policy choice: ``meta_bits`` in YAML, the spec the cache runs, the
+stored bits it costs and the budget's accounting of it."""
+
+from __future__ import annotations
+
+import pytest
+from policy_factories import build
+
+from kvpolicy.errors import PolicyError
+from kvpolicy.kernels.layout import QuantSpec
+
+
+def test_meta_bits_default_is_the_cache_dtype():
+    policy = build()
+    assert {t.meta_bits for t in policy.tensors} == {16}
+    assert policy.tensors[0].quant_spec() == QuantSpec(2, 32, "channel", "uniform", 16)
+
+
+def test_meta_bits_8_halves_the_metadata_in_spec_bytes_and_table():
+    policy = build({"defaults": {"bits": 2, "group_size": 16, "meta_bits": 8}})
+    key = policy.tensors[0]
+    assert key.quant_spec() == QuantSpec(2, 16, "channel", "uniform", 8)
+    # 2-bit codes plus a one-byte scale and zero per group of 16: 3.0 stored bits, what
+    # groups of 32 cost with fp16 metadata.
+    assert key.stored_bits() == pytest.approx(3.0)
+    assert policy.avg_stored_bits() == pytest.approx(build().avg_stored_bits())
+    assert "scale and zero in 8 bits" in key.reason
+    table = str(policy)
+    row = table.splitlines()[3].split()
+    assert row[4:7] == ["16", "uniform", "8"]
+    assert "5.33x smaller" in table.splitlines()[-1]
+
+
+def test_meta_bits_override_per_tensor():
+    policy = build({"overrides": [{"layers": "*", "tensor": "value", "meta_bits": 8}]})
+    assert [t.meta_bits for t in policy.tensors[:2]] == [16, 8]
+    assert policy.tensors[1].stored_bits() == pytest.approx(2.5)
+
+
+def test_meta_bits_8_with_auto_levels_is_uniform_and_normal_is_refused():
+    policy = build({"defaults": {"bits": 2, "meta_bits": 8, "levels": "auto"}})
+    assert {t.code_levels for t in policy.tensors} == {"uniform"}
+    with pytest.raises(PolicyError, match="normal levels do not have"):
+        build({"defaults": {"bits": 2, "meta_bits": 8, "levels": "normal"}})
+
+
+def test_meta_bits_other_widths_are_refused():
+    with pytest.raises(PolicyError, match="meta_bits"):
+        build({"defaults": {"bits": 2, "meta_bits": 4}})
+
+
+def test_meta_bits_change_the_calibration_key():
+    assert build().calibration_key != build({"defaults": {"meta_bits": 8}}).calibration_key
+
+
+def test_a_stored_budget_with_8_bit_metadata_chooses_among_halved_groups():
+    spec = {"defaults": {"stored_bits": 3.0, "meta_bits": 8}}
+    assert build(spec).tensors[0].group_sizes == (16, 32, 64)
+    assert build({"defaults": {"stored_bits": 3.0}}).tensors[0].group_sizes == (32, 64, 128)
+
+
+def test_the_cache_stores_one_byte_scales_and_zeros_and_decodes_close_to_fp16_metadata():
+    import torch
+
+    import kvpolicy
+    from kvpolicy.zoo.tiny import tiny_model
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (1, 201))
+    out, stats = {}, {}
+    for meta in (16, 8):
+        compiled = kvpolicy.compile_model(
+            tiny_model("llama"),
+            policy={"defaults": {"bits": 2, "group_size": 32, "meta_bits": meta}},
+            progress=False)
+        with torch.no_grad():
+            cache = compiled(ids[:, :200], use_cache=True).past_key_values
+            step = compiled(ids[:, 200:], past_key_values=cache, use_cache=True)
+        packed = cache.layers[0].packed
+        assert packed.key_spec.meta_bits == packed.value_spec.meta_bits == meta
+        k, v = packed._packed()
+        want = (torch.uint8, torch.int8) if meta == 8 else (torch.float16, torch.float16)
+        assert (k.scale.dtype, k.zero.dtype) == (v.scale.dtype, v.zero.dtype) == want
+        out[meta], stats[meta] = step.logits, packed.memory_report()
+    with torch.no_grad():
+        exact = tiny_model("llama")(ids).logits[:, -1:]
+    assert not torch.equal(out[8], out[16])
+    for logits in out.values():
+        assert (logits - exact).abs().max() < 0.2 * exact.abs().max()
+    # Half the metadata bytes, the same code bytes.
+    assert stats[8]["scale_bytes"] * 2 == stats[16]["scale_bytes"]
+    assert stats[8]["code_bytes"] == stats[16]["code_bytes"]
