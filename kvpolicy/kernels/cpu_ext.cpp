@@ -1,8 +1,10 @@
 // Fused decode attention over the packed KV cache (kvpolicy.kernels.cpu_ext builds and
 // loads it through ctypes; see that module for what it covers). Specialised per library
 // by -D: KVP_KB/KVP_VB (bits), KVP_GK/KVP_GV (group sizes), KVP_DK/KVP_DV (head dims),
-// KVP_HALF (rotary_dim / 2), KVP_SDT (storage type of scales, zeros and fp tokens) and
-// KVP_KLUT/KVP_VLUT (1: a code's value is table[code], Params.klut/vlut; 0: the code itself).
+// KVP_HALF (rotary_dim / 2), KVP_SDT (storage type of scales, zeros and fp tokens),
+// KVP_KLUT/KVP_VLUT (1: a code's value is table[code], Params.klut/vlut; 0: the code itself)
+// and KVP_KM8/KVP_VM8 (1: the keys' / values' scale is a uint8 index into Params.stab and
+// their zero an int8 point p, zero = -p * scale; 0: both in the storage type KVP_SDT).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -25,11 +27,11 @@ struct Params {
   const float* q;                            // [B, Hkv*rep, Tq, Dk] contiguous, pre-scaled
   // packed segment (Tk tokens, may be 0)
   const uint8_t* kc; int64_t kc_sb, kc_sh;   // [.., Tk/Gk, Gk*kb/8, Dk]
-  const void* ks; int64_t ks_sb, ks_sh;      // [.., Tk/Gk, Dk] storage type (KVP_SDT)
-  const void* kz; int64_t kz_sb, kz_sh;
+  const void* ks; int64_t ks_sb, ks_sh;      // [.., Tk/Gk, Dk] KVP_SDT, or uint8 (KVP_KM8)
+  const void* kz; int64_t kz_sb, kz_sh;      // KVP_SDT, or int8 (KVP_KM8)
   const uint8_t* vc; int64_t vc_sb, vc_sh;   // [.., Tk, Dv*vb/8]
-  const void* vs; int64_t vs_sb, vs_sh;      // [.., Tk, Dv/Gv] storage type
-  const void* vz; int64_t vz_sb, vz_sh;
+  const void* vs; int64_t vs_sb, vs_sh;      // [.., Tk, Dv/Gv] KVP_SDT, or uint8 (KVP_VM8)
+  const void* vz; int64_t vz_sb, vz_sh;      // KVP_SDT, or int8 (KVP_VM8)
   const float* mask; int64_t m0, m1, m2, m3; // additive over Tk, broadcast strides; or null
   const int64_t* kpos; int64_t kpos_sb;      // [B, Tk]; null when no rope
   // full-precision segment (Tf tokens, may be 0): sinks + residual window
@@ -49,6 +51,9 @@ struct Params {
   // level tables, 2**bits fp32 each: non-null exactly when built with KVP_KLUT / KVP_VLUT
   const float* klut;
   const float* vlut;
+  // 8-bit metadata: the 256 fp32 scales an index stands for (layout.scale_table), non-null
+  // exactly when built with KVP_KM8 or KVP_VM8
+  const float* stab;
 };
 }
 
@@ -103,6 +108,22 @@ inline float to_f32(uint16_t h) {
 #endif
 constexpr int64_t Dk = KVP_DK, Dv = KVP_DV, Gk = KVP_GK, Gv = KVP_GV;
 constexpr bool KLUT = KVP_KLUT != 0, VLUT = KVP_VLUT != 0;
+constexpr bool KM8 = KVP_KM8 != 0, VM8 = KVP_VM8 != 0;
+
+// n groups' fp32 scale and zero from 8-bit metadata: s = stab[index], zero = -point * s.
+// NOTE: the empty asm (a compiler barrier, no instruction) keeps gcc from seeing through the
+// arrays: with -fassociative-math it folded code * s + (-point * s) into (code - point) * s,
+// which rounds unlike the reference and converted two integers per code (2-bit keys: 34
+// vsubps against 2 in the 16-bit-metadata build).
+inline void meta8(const float* stab, const uint8_t* idx, const int8_t* pt, int64_t n, float* s,
+                  float* z) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float sv = stab[idx[i]];
+    s[i] = sv;
+    z[i] = -(float)pt[i] * sv;
+  }
+  asm volatile("" ::: "memory");
+}
 
 // A level table padded to 16 entries (the most 4-bit codes need), so that vector loads of
 // it never read past the caller's 2**bits floats.
@@ -247,10 +268,15 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
       } else {
         const int64_t grp = g0 / Gk;
         const uint8_t* codes = P.kc + b * P.kc_sb + h * P.kc_sh + grp * kbytes * Dk;
-        const SType* scs = (const SType*)P.ks + b * P.ks_sb + h * P.ks_sh + grp * Dk;
-        const SType* zcs = (const SType*)P.kz + b * P.kz_sb + h * P.kz_sh + grp * Dk;
         alignas(64) float sc[Dk], zc[Dk];
-        for (int64_t d = 0; d < Dk; ++d) { sc[d] = to_f32(scs[d]); zc[d] = to_f32(zcs[d]); }
+        if constexpr (KM8) {
+          meta8(P.stab, (const uint8_t*)P.ks + b * P.ks_sb + h * P.ks_sh + grp * Dk,
+                (const int8_t*)P.kz + b * P.kz_sb + h * P.kz_sh + grp * Dk, Dk, sc, zc);
+        } else {
+          const SType* scs = (const SType*)P.ks + b * P.ks_sb + h * P.ks_sh + grp * Dk;
+          const SType* zcs = (const SType*)P.kz + b * P.kz_sb + h * P.kz_sh + grp * Dk;
+          for (int64_t d = 0; d < Dk; ++d) { sc[d] = to_f32(scs[d]); zc[d] = to_f32(zcs[d]); }
+        }
         for (int u = 0; u < Gk / KU::per; ++u) {
           const uint8_t* row = codes + (int64_t)u * KU::bytes * Dk;
           for (int64_t d = 0; d < Dk; ++d) {
@@ -353,10 +379,15 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
           continue;
         }
         const uint8_t* row = P.vc + b * P.vc_sb + h * P.vc_sh + t * vbytes;
-        const SType* sts = (const SType*)P.vs + b * P.vs_sb + h * P.vs_sh + t * ngv;
-        const SType* zts = (const SType*)P.vz + b * P.vz_sb + h * P.vz_sh + t * ngv;
         float stt[ngv], ztt[ngv];
-        for (int64_t g = 0; g < ngv; ++g) { stt[g] = to_f32(sts[g]); ztt[g] = to_f32(zts[g]); }
+        if constexpr (VM8) {
+          meta8(P.stab, (const uint8_t*)P.vs + b * P.vs_sb + h * P.vs_sh + t * ngv,
+                (const int8_t*)P.vz + b * P.vz_sb + h * P.vz_sh + t * ngv, ngv, stt, ztt);
+        } else {
+          const SType* sts = (const SType*)P.vs + b * P.vs_sb + h * P.vs_sh + t * ngv;
+          const SType* zts = (const SType*)P.vz + b * P.vz_sb + h * P.vz_sh + t * ngv;
+          for (int64_t g = 0; g < ngv; ++g) { stt[g] = to_f32(sts[g]); ztt[g] = to_f32(zts[g]); }
+        }
 #if defined(__AVX2__) && defined(__FMA__)
         if constexpr (Gv % 8 == 0 && VB <= 4) {
           // NOTE: 8 codes per step: broadcast their bits, per-lane shift (vpsrlvd), mask,
@@ -549,10 +580,13 @@ void run(const Params& P) {
 }  // namespace
 
 // One instance per library, specialised by -D: bits, group sizes and head dims, so that every
-// inner loop has a compile-time trip count.
+// inner loop has a compile-time trip count. Returns 1 (nothing run) for a Params this library
+// was not built for: a null stab says "no 8-bit metadata", but which of keys and values has
+// it is the caller's to match (cpu_ext.load with km8/vm8).
 extern "C" int kvp_packed_attention(const Params* P, int kbits, int vbits) {
   if (kbits != KVP_KB || vbits != KVP_VB || P->Dk != KVP_DK || P->Dv != KVP_DV ||
       P->sdt != KVP_SDT || (P->klut != nullptr) != KLUT || (P->vlut != nullptr) != VLUT ||
+      (P->stab != nullptr) != (KM8 || VM8) ||
       P->Gk != KVP_GK || P->Gv != KVP_GV || (P->rope_style != 0 && P->half != KVP_HALF))
     return 1;
   run<KVP_KB, KVP_VB>(*P);

@@ -11,16 +11,20 @@ dequantized cache is ever materialised.
 
 Covered (everything else falls back to the eager torch path): key axis "channel" and
 value axis "token", bits in {1, 2, 3, 4, 8} each, uniform or normal levels for keys and
-values each (a normal spec's code is looked up in its level table, passed as fp32), no
-RoPE or rotate_half / interleaved, with or without logit soft-capping (a run-time field,
-not a ``-D``: no extra libraries).
-Queries are passed as pre-scaled fp32; scales, zeros and full-precision tokens in their
-storage dtype (fp32, bf16 or fp16), widened inside the kernel.
+values each (a normal spec's code is looked up in its level table, passed as fp32),
+16- or 8-bit metadata for keys and values each (``QuantSpec.meta_bits``; 8: a uint8 scale
+index read through :func:`~kvpolicy.kernels.layout.scale_table`, passed as fp32, and an
+int8 zero point, zero ``= -point * scale``), no RoPE or rotate_half / interleaved, with or
+without logit soft-capping (a run-time field, not a ``-D``: no extra libraries).
+Queries are passed as pre-scaled fp32; 16-bit-metadata scales and zeros and full-precision
+tokens in their storage dtype (fp32, bf16 or fp16), widened inside the kernel; 8-bit
+metadata as stored (uint8 / int8).
 
 The C++ source is ``cpu_ext.cpp`` next to this module. Each library is specialised by
-``-D`` (bits, group sizes, head dims, rotary width, storage dtype, level table or not) so
-every inner loop has a compile-time trip count and a uniform spec runs no table lookup,
-and is built with the C++ compiler (:func:`compiler`) on first use into
+``-D`` (bits, group sizes, head dims, rotary width, storage dtype, level table or not,
+8-bit metadata or not) so every inner loop has a compile-time trip count, a uniform spec
+runs no table lookup and 16-bit metadata reads no scale table, and is built with the C++
+compiler (:func:`compiler`) on first use into
 ``~/.cache/kvpolicy/cpu_ext/<hash>-<config>/`` (the hash covers the source, the flags and
 the CPU's feature flags, because of ``-march=native``).
 
@@ -106,6 +110,7 @@ class Params(ctypes.Structure):
         ("out", ctypes.c_void_p), ("lse", ctypes.c_void_p),
         ("softcap", ctypes.c_float),
         ("klut", ctypes.c_void_p), ("vlut", ctypes.c_void_p),
+        ("stab", ctypes.c_void_p),
     ]
 
 
@@ -125,7 +130,7 @@ def _cpu_flags() -> str:
 
 
 _DEFINES = ("KVP_KB", "KVP_VB", "KVP_GK", "KVP_GV", "KVP_DK", "KVP_DV", "KVP_HALF", "KVP_SDT",
-            "KVP_KLUT", "KVP_VLUT")
+            "KVP_KLUT", "KVP_VLUT", "KVP_KM8", "KVP_VM8")
 
 
 def _build_dir(config: tuple[int, ...]) -> Path:
@@ -145,18 +150,21 @@ def compiler() -> str | None:
 
 def build(
     kbits: int, vbits: int, gk: int, gv: int, dk: int, dv: int, half: int = 0, sdt: int = 0,
-    klut: int = 0, vlut: int = 0,
+    klut: int = 0, vlut: int = 0, km8: int = 0, vm8: int = 0,
 ) -> ctypes.CDLL:
     """The kernel library for these bits, group sizes, head dims, rotary half-width (0: no
-    RoPE), storage type of scales/zeros/fp tokens (0 fp32, 1 bf16, 2 fp16) and levels of
-    keys / values (``klut``/``vlut`` 1: a level table, ``Params.klut``/``vlut``, is looked
-    up; 0: uniform, the code is its own value), compiled on first use and kept on disk.
+    RoPE), storage type of 16-bit-metadata scales/zeros and of fp tokens (0 fp32, 1 bf16,
+    2 fp16), levels of keys / values (``klut``/``vlut`` 1: a level table,
+    ``Params.klut``/``vlut``, is looked up; 0: uniform, the code is its own value) and
+    metadata width of keys / values (``km8``/``vm8`` 1: 8-bit, a uint8 scale index into
+    ``Params.stab`` and an int8 zero point; 0: 16-bit, in the storage type), compiled on
+    first use and kept on disk.
 
     Raises:
         BuildError: no compiler is installed, the compiler failed (the message carries its
             output), or the library does not load.
     """
-    config = (kbits, vbits, gk, gv, dk, dv, half, sdt, klut, vlut)
+    config = (kbits, vbits, gk, gv, dk, dv, half, sdt, klut, vlut, km8, vm8)
     out = _build_dir(config)
     so = out / "libkvpolicy_cpu.so"
     if not so.exists():
@@ -192,7 +200,7 @@ def build(
 
 def load(
     kbits: int, vbits: int, gk: int, gv: int, dk: int, dv: int, half: int = 0, sdt: int = 0,
-    klut: int = 0, vlut: int = 0,
+    klut: int = 0, vlut: int = 0, km8: int = 0, vm8: int = 0,
 ) -> ctypes.CDLL | None:
     """:func:`build`, or None if the library cannot be built: the caller then uses the
     eager path, and the reason is logged once at warning level. Cached per configuration.
@@ -200,7 +208,7 @@ def load(
     """
     if os.environ.get("KVPOLICY_NO_CPP", "") not in ("", "0"):
         return None
-    key = (kbits, vbits, gk, gv, dk, dv, half, sdt, klut, vlut)
+    key = (kbits, vbits, gk, gv, dk, dv, half, sdt, klut, vlut, km8, vm8)
     if key in _libs:
         return _libs[key]
     with _lock:

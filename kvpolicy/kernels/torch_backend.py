@@ -28,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import weakref
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ import torch
 from ..errors import CacheError
 from . import cpu_ext, reference
 from .contract import Backend, compose_decode
+from .cpu_call import bh_slabs, checked_positions, compact_rope, is_meta8, scale_table_f32
 from .layout import Packed, QuantSpec, RotarySpec, byte_aligned
 
 __all__ = [
@@ -306,11 +306,14 @@ def fused_attention(
     dv = v.codes.shape[-1] * 8 // v_spec.bits
     if fv is not None and fv.shape[-1] != dv:
         return None
+    if (k_spec.meta8, v_spec.meta8) != (is_meta8(k), is_meta8(v)):
+        raise CacheError(f"stored scale/zero dtypes {k.scale.dtype}/{v.scale.dtype} do not "
+                         f"match the metadata widths of {k_spec} / {v_spec}")
     half = 0 if rope is None else rope.rotary_dim // 2
     store = _storage_dtype(k, v, fk, fv)
     lib = cpu_ext.load(k_spec.bits, v_spec.bits, k_spec.group_size, v_spec.group_size,
                         q.shape[-1], dv, half, _SDT[store], int(not k_spec.uniform),
-                        int(not v_spec.uniform))
+                        int(not v_spec.uniform), int(k_spec.meta8), int(v_spec.meta8))
     if lib is None:
         return None
     return _cpp_attention(lib, q, k, v, k_spec, v_spec, fk, fv, scale, mask, fp_mask, rope,
@@ -388,31 +391,6 @@ _CHUNK_TOKENS = 512
 # measured; the score buffer (rows x 512 floats per work item) bounds it.
 _CPP_MAX_ROWS = 1024
 
-_rope_tables: weakref.WeakKeyDictionary[RotarySpec, tuple[torch.Tensor, torch.Tensor]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _compact_rope(rope: RotarySpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos/sin whose first ``rotary_dim/2`` columns hold each frequency once.
-
-    For rotate_half the model's own table already has that layout (``cat(f, f)``): it is
-    used in place, so a table that grows with the sequence costs no copy per step. The
-    interleaved layout (``repeat_interleave(f, 2)``) is compacted once per spec.
-    """
-    got = _rope_tables.get(rope)
-    if got is None:
-        cos, sin = rope.cos, rope.sin
-        if rope.style == "interleaved":
-            cos, sin = cos[:, 0::2], sin[:, 0::2]
-        cos = cos.to("cpu", torch.float32)
-        sin = sin.to("cpu", torch.float32)
-        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
-            cos, sin = cos.contiguous(), sin.contiguous()
-        got = (cos, sin)
-        _rope_tables[rope] = got
-    return got
-
 
 def _cpp_supported(
     q: torch.Tensor, k: Packed, k_spec: QuantSpec, v_spec: QuantSpec, rope: RotarySpec | None
@@ -443,43 +421,21 @@ def _fp_len(fk: torch.Tensor | None) -> int:
     return 0 if fk is None else fk.shape[2]
 
 
-def _bh(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """``t`` with each ``[b, h]`` slab contiguous, and its batch and head strides."""
-    want = 1
-    for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:]), strict=True):
-        if size != 1 and stride != want:
-            t = t.contiguous()
-            break
-        want *= size
-    return t, t.stride(0), t.stride(1)
-
-
-def _positions(
-    pos: torch.Tensor | None, b: int, t: int, rope: RotarySpec, check: bool = True
-) -> torch.Tensor:
-    if pos is None:
-        raise CacheError("pre-RoPE keys need positions [B, Tk]")
-    pos = pos.to(torch.int64).contiguous()
-    if pos.shape != (b, t):
-        raise CacheError(f"positions must be [B, Tk] = {(b, t)}, got {tuple(pos.shape)}")
-    # The kernel indexes the table with these: check, never read out of bounds.
-    if check and pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= rope.max_positions):
-        raise CacheError(f"positions exceed the rotary table ({rope.max_positions} rows)")
-    return pos
-
-
-# NOTE: scales, zeros and full-precision tokens are read in their storage dtype and widened
-# inside the kernel. 8K step, bf16 cache, 1 thread (min of 100): 0.77-0.80 ms read as
-# stored, 0.85-0.87 ms converting them to fp32 in torch first (fp32 cache: 0.80 ms).
+# NOTE: 16-bit-metadata scales and zeros and full-precision tokens are read in their storage
+# dtype and widened inside the kernel (8-bit metadata: as stored, uint8 / int8). 8K step,
+# bf16 cache, 1 thread (min of 100): 0.77-0.80 ms read as stored, 0.85-0.87 ms converting
+# them to fp32 in torch first (fp32 cache: 0.80 ms).
 _SDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _storage_dtype(
     k: Packed, v: Packed, fk: torch.Tensor | None, fv: torch.Tensor | None
 ) -> torch.dtype:
-    """The one dtype of scales/zeros/fp tokens if they share one the kernel reads, else fp32."""
-    ts = [k.scale, k.zero, v.scale, v.zero] + [t for t in (fk, fv) if t is not None]
-    dt = ts[0].dtype
+    """The one dtype of 16-bit-metadata scales/zeros and fp tokens if they share one the
+    kernel reads, else fp32 (also when there are none: both 8-bit metadata, no fp tokens)."""
+    ts = [t for p in (k, v) if not is_meta8(p) for t in (p.scale, p.zero)]
+    ts += [t for t in (fk, fv) if t is not None]
+    dt = ts[0].dtype if ts else torch.float32
     return dt if dt in _SDT and all(t.dtype == dt for t in ts) else torch.float32
 
 
@@ -515,12 +471,13 @@ def _cpp_attention(
         )
     keep: list[torch.Tensor] = []  # everything whose pointer the kernel reads stays alive
     qs = (q.float() * scale).contiguous()
-    kc, kc_sb, kc_sh = _bh(kc)
-    ks, ks_sb, ks_sh = _bh(ks.to(store))
-    kz, kz_sb, kz_sh = _bh(kz.to(store))
-    vc, vc_sb, vc_sh = _bh(vc)
-    vs, vs_sb, vs_sh = _bh(vs.to(store))
-    vz, vz_sb, vz_sh = _bh(vz.to(store))
+    km8, vm8 = is_meta8(k), is_meta8(v)  # 8-bit metadata: passed as stored (uint8 / int8)
+    kc, kc_sb, kc_sh = bh_slabs(kc)
+    ks, ks_sb, ks_sh = bh_slabs(ks if km8 else ks.to(store))
+    kz, kz_sb, kz_sh = bh_slabs(kz if km8 else kz.to(store))
+    vc, vc_sb, vc_sh = bh_slabs(vc)
+    vs, vs_sb, vs_sh = bh_slabs(vs if vm8 else vs.to(store))
+    vz, vz_sb, vz_sh = bh_slabs(vz if vm8 else vz.to(store))
     keep += [qs, kc, ks, kz, vc, vs, vz]
     out = torch.empty(b, hq, tq, dv)
     lse = torch.empty(b, hq, tq)
@@ -541,6 +498,8 @@ def _cpp_attention(
         vz=vz.data_ptr(), vz_sb=vz_sb, vz_sh=vz_sh,
         out=out.data_ptr(), lse=lse.data_ptr(), sdt=_SDT[store],
         softcap=0.0 if softcap is None else float(softcap),  # 0: no cap
+        # a null table is what tells the kernel "no 8-bit metadata" (kept alive by its cache)
+        stab=scale_table_f32().data_ptr() if km8 or vm8 else None,
     )
     if mask is not None:
         mf = mask.float().expand(b, hq, tq, tk)
@@ -554,8 +513,8 @@ def _cpp_attention(
                 f"full-precision keys {tuple(fk.shape)} / values {tuple(fv.shape)} do not "
                 f"match the packed segment [B={b}, Hkv={hkv}, *, D]"
             )
-        fk32, fk_sb, fk_sh = _bh(fk.to(store))
-        fv32, fv_sb, fv_sh = _bh(fv.to(store))
+        fk32, fk_sb, fk_sh = bh_slabs(fk.to(store))
+        fv32, fv_sb, fv_sh = bh_slabs(fv.to(store))
         keep += [fk32, fv32]
         p.Tf = tf
         p.fk, p.fk_sb, p.fk_sh = fk32.data_ptr(), fk_sb, fk_sh
@@ -566,12 +525,12 @@ def _cpp_attention(
             p.fmask = fm.data_ptr()
             p.f0, p.f1, p.f2, p.f3 = fm.stride()
         if rope is not None:
-            fpos = _positions(fp_positions, b, tf, rope, check_positions)
+            fpos = checked_positions(fp_positions, b, tf, rope, check_positions)
             keep.append(fpos)
             p.fpos, p.fpos_sb = fpos.data_ptr(), fpos.stride(0)
     if rope is not None:
-        kpos = _positions(k_positions, b, tk, rope, check_positions)
-        cos, sin = _compact_rope(rope)
+        kpos = checked_positions(k_positions, b, tk, rope, check_positions)
+        cos, sin = compact_rope(rope)
         keep += [kpos, cos, sin]
         p.kpos, p.kpos_sb = kpos.data_ptr(), kpos.stride(0)
         p.cosc, p.sinc, p.rope_rs = cos.data_ptr(), sin.data_ptr(), cos.stride(0)

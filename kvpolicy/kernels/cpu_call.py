@@ -1,0 +1,90 @@
+"""What the torch backend hands the C++ CPU kernel (:mod:`kvpolicy.kernels.cpu_ext`) besides
+the cache's own tensors: slab strides, checked positions, compact rotary tables, and for
+8-bit metadata the fp32 scale table.
+
+The kernel reads raw pointers: every tensor these return must stay alive for the call
+(the caller keeps them; the tables are cached here).
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import cache
+
+import torch
+
+from ..errors import CacheError
+from .layout import Packed, RotarySpec, scale_table
+
+__all__ = ["bh_slabs", "checked_positions", "compact_rope", "is_meta8", "scale_table_f32"]
+
+_rope_tables: weakref.WeakKeyDictionary[RotarySpec, tuple[torch.Tensor, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def compact_rope(rope: RotarySpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin whose first ``rotary_dim/2`` columns hold each frequency once.
+
+    For rotate_half the model's own table already has that layout (``cat(f, f)``): it is
+    used in place, so a table that grows with the sequence costs no copy per step. The
+    interleaved layout (``repeat_interleave(f, 2)``) is compacted once per spec.
+    """
+    got = _rope_tables.get(rope)
+    if got is None:
+        cos, sin = rope.cos, rope.sin
+        if rope.style == "interleaved":
+            cos, sin = cos[:, 0::2], sin[:, 0::2]
+        cos = cos.to("cpu", torch.float32)
+        sin = sin.to("cpu", torch.float32)
+        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+            cos, sin = cos.contiguous(), sin.contiguous()
+        got = (cos, sin)
+        _rope_tables[rope] = got
+    return got
+
+
+def bh_slabs(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``t`` with each ``[b, h]`` slab contiguous, and its batch and head strides."""
+    want = 1
+    for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:]), strict=True):
+        if size != 1 and stride != want:
+            t = t.contiguous()
+            break
+        want *= size
+    return t, t.stride(0), t.stride(1)
+
+
+def checked_positions(
+    pos: torch.Tensor | None, b: int, t: int, rope: RotarySpec, check: bool = True
+) -> torch.Tensor:
+    """``pos`` as contiguous int64 ``[b, t]``, checked against the rotary table's rows
+    unless ``check`` is False (the caller guarantees it)."""
+    if pos is None:
+        raise CacheError("pre-RoPE keys need positions [B, Tk]")
+    pos = pos.to(torch.int64).contiguous()
+    if pos.shape != (b, t):
+        raise CacheError(f"positions must be [B, Tk] = {(b, t)}, got {tuple(pos.shape)}")
+    # The kernel indexes the table with these: check, never read out of bounds.
+    if check and pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= rope.max_positions):
+        raise CacheError(f"positions exceed the rotary table ({rope.max_positions} rows)")
+    return pos
+
+
+def is_meta8(p: Packed) -> bool:
+    """Whether a packed segment stores 8-bit metadata: a uint8 scale index and an int8
+    zero point (``QuantSpec.meta_bits == 8``), which the kernel reads as stored."""
+    m8 = p.scale.dtype == torch.uint8
+    if m8 != (p.zero.dtype == torch.int8):
+        raise CacheError(
+            f"8-bit metadata is a uint8 scale index with an int8 zero point; got scale "
+            f"{p.scale.dtype} with zero {p.zero.dtype}"
+        )
+    return m8
+
+
+@cache
+def scale_table_f32() -> torch.Tensor:
+    """:func:`~kvpolicy.kernels.layout.scale_table` as a CPU fp32 tensor (``Params.stab``),
+    made once and kept, so its pointer outlives every call."""
+    return torch.tensor(scale_table(), dtype=torch.float32)
