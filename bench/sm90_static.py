@@ -9,7 +9,9 @@ comments in ``kvpolicy/kernels/triton_attention.py``; timings need
 ``bench/gpu_attention.py`` on a GPU.
 
 Run from the repository root without TRITON_INTERPRET:
-``PYTHONPATH=. python bench/sm90_static.py`` (about a minute on 2 cores).
+``PYTHONPATH=. python bench/sm90_static.py`` (about a minute on 2 cores); ``--meta8``
+compiles the same policy with 8-bit metadata (uint8 scale indices read through the fp32
+scale table, int8 zero points: ``K_M8``/``V_M8``).
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ G, BITS, T, SPLIT = 32, 2, 32768, 4096
 SHAPES = (("SmolLM2-135M", 9, 3, 64), ("Llama-3-8B", 32, 8, 128))
 
 
-def _args(hq: int, hkv: int, d: int) -> tuple[dict, dict, dict]:
-    """(int args, pointer types, constexprs) of a 2-bit kvpolicy-2 decode call."""
+def _args(hq: int, hkv: int, d: int, meta8: bool = False) -> tuple[dict, dict, dict]:
+    """(int args, pointer types, constexprs) of a 2-bit kvpolicy-2 decode call (with
+    8-bit metadata on keys and values when ``meta8``)."""
     ng, vb = T // G, d * BITS // 8
     kb = G * BITS // 8
     ints = dict(
@@ -59,16 +62,19 @@ def _args(hq: int, hkv: int, d: int) -> tuple[dict, dict, dict]:
     consts = dict(
         GQA=hq // hkv, DK=d, DV=d, K_BITS=BITS, K_GROUP=G, K_CHANNEL=True, V_BITS=BITS,
         V_GROUP=G, V_CHANNEL=False, K_FAST=True, V_FAST=True, ROPE=1, ROT_DIM=d,
-        HAS_MASK=False, DOT_F32=False, MATH_F16=True, BLOCK_M=16, BLOCK_R=d // 2,
+        HAS_MASK=False, SOFTCAP=False, DOT_F32=False, MATH_F16=True, BLOCK_M=16, BLOCK_R=d // 2,
         BLOCK_P=16, BLOCK_DV=d,
     )
+    if meta8:
+        ptrs.update(ks_ptr="*u8", kz_ptr="*i8", vs_ptr="*u8", vz_ptr="*i8", stab_ptr="*fp32")
+        consts.update(K_M8=True, V_M8=True)
     return ints, ptrs, consts
 
 
 def _compile(ints: dict, ptrs: dict, consts: dict, config) -> object:
     """Compile with the runtime's specialisation for one autotune config."""
     return compile_ahead(ta._packed_attention_kernel, ints, ptrs, {**consts, **config.kwargs},
-                         floats=("scale",), target=TARGET, num_warps=config.num_warps,
+                         floats=("scale", "softcap"), target=TARGET, num_warps=config.num_warps,
                          num_stages=config.num_stages)
 
 
@@ -96,14 +102,16 @@ def _sass_report(kernel, block_n: int, num_warps: int) -> tuple[int, int, int | 
 
 
 def main() -> int:
+    meta8 = "--meta8" in sys.argv[1:]
+    meta = "8-bit (uint8 index, int8 point)" if meta8 else "fp16"
     print(f"sm_90 AOT compile (triton {triton.__version__}), 2-bit K per-channel pre-RoPE + "
-          f"2-bit V per-token, G={G}, fp16, one decode query")
+          f"2-bit V per-token, G={G}, fp16, {meta} metadata, one decode query")
     head = f"{'shape':<13} {'BLOCK_N':>7} {'warps':>5} {'stages':>6} {'regs':>4} " \
            f"{'spill_B':>7} {'smem_KB':>7} {'thread-instr/key':>16}"
     print(head)
     print("-" * len(head))
     for name, hq, hkv, d in SHAPES:
-        ints, ptrs, consts = _args(hq, hkv, d)
+        ints, ptrs, consts = _args(hq, hkv, d, meta8)
         kept = ta._keep_attention_config(ta._ATTENTION_CONFIGS, ints, **consts)
         for cfg in kept:
             k = _compile(ints, ptrs, consts, cfg)

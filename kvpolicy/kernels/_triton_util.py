@@ -1,7 +1,7 @@
 """What the Triton kernel modules share: how Triton runs here, and the host side of the
 attention kernels (layout checks, strides, RoPE and mask arguments, split counts, the
 autotune configs and their prune filter, the level and threshold tables of non-uniform
-levels).
+levels, the scale table of 8-bit metadata).
 
 :mod:`kvpolicy.kernels.triton_attention` (one packed segment) and
 :mod:`kvpolicy.kernels.triton_decode` (a packed and a full-precision segment in one
@@ -18,13 +18,13 @@ import torch
 import triton
 
 from ..errors import CacheError
-from .layout import Packed, QuantSpec, RotarySpec, thresholds
+from .layout import Packed, QuantSpec, RotarySpec, scale_table, thresholds
 
 __all__ = [
     "interpreting", "compile_ahead", "ROPE_STYLES", "ATTENTION_CONFIGS",
     "keep_attention_config", "packed_dims", "kernel_strides", "inner_extent", "fast_layout",
     "choose_splits", "plan_splits", "dots_in_fp32", "rope_arguments", "mask_arguments",
-    "check_softcap", "channel_blocks", "level_lut", "threshold_table",
+    "check_softcap", "channel_blocks", "level_lut", "threshold_table", "meta_table",
 ]
 
 ROPE_STYLES = {None: 0, "rotate_half": 1, "interleaved": 2}
@@ -178,6 +178,13 @@ def packed_dims(p: Packed, spec: QuantSpec, what: str) -> tuple[int, int, int, i
     if tuple(p.scale.shape) != want or tuple(p.zero.shape) != want:
         raise CacheError(f"{what}: scale {tuple(p.scale.shape)} and zero "
                          f"{tuple(p.zero.shape)} must both be {want} for codes {tuple(c.shape)}")
+    if spec.meta8 and (p.scale.dtype != torch.uint8 or p.zero.dtype != torch.int8):
+        raise CacheError(f"{what}: 8-bit metadata (meta_bits=8) is a uint8 scale index and an "
+                         f"int8 zero point, got scale {p.scale.dtype} and zero {p.zero.dtype}")
+    if not spec.meta8 and not (p.scale.is_floating_point() and p.zero.is_floating_point()):
+        raise CacheError(f"{what}: 16-bit metadata is float scale and zero, got scale "
+                         f"{p.scale.dtype} and zero {p.zero.dtype}; a segment packed with "
+                         "meta_bits=8 needs its spec")
     return b, h, t, d
 
 
@@ -350,6 +357,16 @@ def threshold_table(bits: int, device: torch.device) -> torch.Tensor:
     """The fp32 thresholds of normal levels (:func:`kvpolicy.kernels.layout.thresholds`)
     on ``device``, cached per device and width."""
     return _device_table("thresholds", bits, thresholds(bits), device)
+
+
+def meta_table(*specs: QuantSpec, device: torch.device) -> torch.Tensor | None:
+    """The 256 fp32 scales an 8-bit scale index stands for
+    (:func:`kvpolicy.kernels.layout.scale_table`) on ``device``, cached per device, when
+    one of ``specs`` stores 8-bit metadata; None otherwise (``K_M8``/``V_M8``/``META8``
+    False: the kernels read scale and zero as stored)."""
+    if not any(spec.meta8 for spec in specs):
+        return None
+    return _device_table("scales", 8, scale_table(), device)
 
 
 def check_softcap(softcap: float | None) -> None:

@@ -9,11 +9,12 @@ RoPE, rotated at each key's own position; a dequantized cache is never materiali
 
 The policy is baked into the kernel as ``tl.constexpr``: bits, group size, scale axis and
 levels of each tensor (both layouts for both K and V; non-uniform levels read a small fp32
-table of code values), RoPE style and rotary_dim, head dims and GQA ratio. Pre-RoPE keys
-are read as two channel sets that a rotation pairs (``i`` and ``i + r/2`` for rotate_half,
-``2i`` and ``2i+1`` for interleaved) plus the pass-through channels ``>= r``; the score
-is the sum of three dot products, so every code is read once and no register shuffle is
-needed.
+table of code values; 8-bit metadata, a uint8 scale index and an int8 zero point, reads
+its scale from the fp32 table of 256 scales), RoPE style and rotary_dim, head dims and
+GQA ratio. Pre-RoPE keys are read as two channel sets that a rotation pairs (``i`` and
+``i + r/2`` for rotate_half, ``2i`` and ``2i+1`` for interleaved) plus the pass-through
+channels ``>= r``; the score is the sum of three dot products, so every code is read once
+and no register shuffle is needed.
 
 The key loop and the tile reads are device functions of
 :mod:`kvpolicy.kernels.triton_dequant` (a generic gather for any layout and
@@ -51,6 +52,7 @@ from ._triton_util import (
     kernel_strides,
     level_lut,
     mask_arguments,
+    meta_table,
     packed_dims,
     plan_splits,
     rope_arguments,
@@ -74,7 +76,7 @@ _merge_splits_kernel = merge_splits_kernel
 @triton.autotune(
     configs=ATTENTION_CONFIGS,
     key=["rows_bucket", "split_bucket", "K_BITS", "K_CHANNEL", "V_BITS", "V_CHANNEL", "ROPE", "DK",
-         "SOFTCAP", "K_LUT", "V_LUT"],
+         "SOFTCAP", "K_LUT", "V_LUT", "K_M8", "V_M8"],
     prune_configs_by={"early_config_prune": keep_attention_config},
 )
 @triton.jit
@@ -127,6 +129,8 @@ def _packed_attention_kernel(
     # gets the uniform kernel.
     K_LUT: tl.constexpr = False, V_LUT: tl.constexpr = False,  # non-uniform levels
     klut_ptr=None, vlut_ptr=None,  # fp32 level tables of the keys / values (K_LUT / V_LUT)
+    K_M8: tl.constexpr = False, V_M8: tl.constexpr = False,  # 8-bit metadata of keys / values
+    stab_ptr=None,  # fp32 scales of 8-bit scale indices (K_M8 or V_M8)
 ):
     tl.static_assert(ROT_DIM % 2 == 0 and ROT_DIM <= DK, "rotary_dim must be even and <= DK")
     tl.static_assert((ROPE == 0) == (ROT_DIM == 0), "ROT_DIM is set exactly when ROPE is")
@@ -161,11 +165,11 @@ def _packed_attention_kernel(
         kc_ptr + b * skc_b + kvh * skc_h, ks_ptr + b * sks_b + kvh * sks_h,
         kz_ptr + b * sks_b + kvh * sks_h, skc_0, skc_1, skc_2, sks_0, sks_1, klut_ptr,
         vc_ptr + b * svc_b + kvh * svc_h, vs_ptr + b * svs_b + kvh * svs_h,
-        vz_ptr + b * svs_b + kvh * svs_h, svc_0, svc_1, svc_2, svs_0, svs_1, vlut_ptr,
+        vz_ptr + b * svs_b + kvh * svs_h, svc_0, svc_1, svc_2, svs_0, svs_1, vlut_ptr, stab_ptr,
         pos_ptr + b * sp_b, sp_t, cos_ptr, sin_ptr, sr_p, sr_d,
         mask_ptr + b * sm_b + hq * sm_h + tq * sm_q, sm_k, row_ok, start, end, scale, softcap,
         K_BITS, K_GROUP, K_CHANNEL, K_LUT, K_FAST, V_BITS, V_GROUP, V_CHANNEL, V_LUT, V_FAST, DV,
-        ROPE, HAS_PASS, HAS_MASK, SOFTCAP, DOT_F32, MATH_F16, BLOCK_M, BLOCK_N,
+        ROPE, HAS_PASS, HAS_MASK, SOFTCAP, DOT_F32, MATH_F16, BLOCK_M, BLOCK_N, K_M8, V_M8,
     )
     row_out = ((b * (n_kv_heads * GQA) + hq) * q_len + tq) * n_splits + pid_s  # [BLOCK_M]
     store_split(out_ptr, lse_ptr, row_out, row_ok, ch_v, v_ok, m_i, l_i, acc, DV)
@@ -195,7 +199,8 @@ def packed_attention_partial(
             fp32 queries use IEEE fp32 dot products; half-precision queries use tensor
             cores with the dequantized tiles cast to q's dtype (fp32 accumulation).
         k, v: packed ``[B, Hkv, Tk, D]`` segments in the layouts of ``k_spec``/``v_spec``
-            (any of bits 1, 2, 3, 4, 8, 16, either axis, uniform or normal levels);
+            (any of bits 1, 2, 3, 4, 8, 16, either axis, uniform or normal levels, 16- or
+            8-bit metadata);
             ``Hq % Hkv == 0``.
         k_spec, v_spec: how each segment was quantized.
         scale: multiplies ``q·k``.
@@ -273,6 +278,7 @@ def packed_attention_partial(
     out = torch.empty((b, hq, tq, splits, dv), device=device, dtype=torch.float32)
     lse = torch.empty((b, hq, tq, splits), device=device, dtype=torch.float32)
     klut, vlut = level_lut(k_spec, device), level_lut(v_spec, device)
+    stab = meta_table(k_spec, v_spec, device=device)
     _packed_attention_kernel[(b * hkv, m_blocks, splits)](
         q, k.codes, ks, kz, v.codes, vs, vz, pos, cos, sin, mask_t, out, lse,
         hkv, n_rows, tq, tk, split_len, splits,
@@ -294,6 +300,7 @@ def packed_attention_partial(
         BLOCK_M=block_m,
         **channel_blocks(rot_dim, dk, dv),
         K_LUT=klut is not None, V_LUT=vlut is not None, klut_ptr=klut, vlut_ptr=vlut,
+        K_M8=k_spec.meta8, V_M8=v_spec.meta8, stab_ptr=stab,
     )
     if splits == 1:
         return out.squeeze(3), lse.squeeze(3)

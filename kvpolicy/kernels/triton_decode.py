@@ -25,7 +25,11 @@ temporaries per layer per step; here both segments are programs of **one** launc
 Keys and values with non-uniform levels (``QuantSpec.levels == "normal"``) are read
 through their fp32 level tables (``klut_ptr``/``vlut_ptr``, one small tensor per device
 and width, :func:`kvpolicy.kernels._triton_util.level_lut`) under the constexpr flags
-``K_LUT``/``V_LUT``: a uniform policy compiles without them.
+``K_LUT``/``V_LUT``: a uniform policy compiles without them. Keys and values with 8-bit
+metadata (``QuantSpec.meta_bits == 8``: a uint8 scale index and an int8 zero point) read
+their scales from the 256-entry fp32 scale table (``stab_ptr``,
+:func:`kvpolicy.kernels._triton_util.meta_table`) under ``K_M8``/``V_M8``, False by
+default: 16-bit metadata compiles as before.
 
 Queries may be fp32 (IEEE fp32 dots), fp16 or bf16 (dots in that dtype on tensor cores,
 fp32 accumulation and softmax statistics). Dequantization runs in fp16 for fp16 queries
@@ -59,6 +63,7 @@ from ._triton_util import (
     kernel_strides,
     level_lut,
     mask_arguments,
+    meta_table,
     packed_dims,
     plan_splits,
     rope_arguments,
@@ -89,7 +94,7 @@ _PER_STEP = [
 @triton.autotune(
     configs=ATTENTION_CONFIGS,
     key=["rows_bucket", "split_bucket", "K_BITS", "K_CHANNEL", "V_BITS", "V_CHANNEL", "ROPE", "DK",
-         "SOFTCAP", "HAS_PACKED", "HAS_FP", "K_LUT", "V_LUT"],
+         "SOFTCAP", "HAS_PACKED", "HAS_FP", "K_LUT", "V_LUT", "K_M8", "V_M8"],
     prune_configs_by={"early_config_prune": keep_attention_config},
 )
 @triton.jit(do_not_specialize=_PER_STEP)
@@ -139,6 +144,8 @@ def _decode_kernel(
     # gets the uniform kernel.
     K_LUT: tl.constexpr = False, V_LUT: tl.constexpr = False,  # non-uniform packed levels
     klut_ptr=None, vlut_ptr=None,  # fp32 level tables of the packed keys / values
+    K_M8: tl.constexpr = False, V_M8: tl.constexpr = False,  # 8-bit packed metadata
+    stab_ptr=None,  # fp32 scales of 8-bit scale indices (K_M8 or V_M8)
 ):
     tl.static_assert(ROT_DIM % 2 == 0 and ROT_DIM <= DK, "rotary_dim must be even and <= DK")
     tl.static_assert((ROPE == 0) == (ROT_DIM == 0), "ROT_DIM is set exactly when ROPE is")
@@ -178,12 +185,13 @@ def _decode_kernel(
                 kz_ptr + b * sks_b + kvh * sks_h, skc_0, skc_1, skc_2, sks_0, sks_1, klut_ptr,
                 vc_ptr + b * svc_b + kvh * svc_h, vs_ptr + b * svs_b + kvh * svs_h,
                 vz_ptr + b * svs_b + kvh * svs_h, svc_0, svc_1, svc_2, svs_0, svs_1, vlut_ptr,
-                pos_ptr + b * sp_b, sp_t, cos_ptr, sin_ptr, sr_p, sr_d,
+                stab_ptr, pos_ptr + b * sp_b, sp_t, cos_ptr, sin_ptr, sr_p, sr_d,
                 mask_ptr + b * sm_b + hq * sm_h + tq * sm_q, sm_k, row_ok,
                 start, tl.minimum(start + split_len, kv_len), scale, softcap,
                 K_BITS, K_GROUP, K_CHANNEL, K_LUT, K_FAST,
                 V_BITS, V_GROUP, V_CHANNEL, V_LUT, V_FAST, DV,
                 ROPE, HAS_PASS, HAS_MASK, SOFTCAP, DOT_F32, MATH_F16, BLOCK_M, BLOCK_N,
+                K_M8, V_M8,
             )
     else:
         if HAS_FP:
@@ -194,12 +202,13 @@ def _decode_kernel(
             m_i, l_i, acc = attend_keys(
                 m_i, l_i, acc, q_ptr, q_a, q_b, ch_a, ch_b, r_ok, q_p, ch_p, p_ok, ch_v, v_ok,
                 fk, fk, fk, sfk_t, sfk_d, 0, 0, 0, None,
-                fv, fv, fv, sfv_t, sfv_d, 0, 0, 0, None,
+                fv, fv, fv, sfv_t, sfv_d, 0, 0, 0, None, None,
                 fpos_ptr + b * sfp_b, sfp_t, cos_ptr, sin_ptr, sr_p, sr_d,
                 fmask_ptr + b * sfm_b + hq * sfm_h + tq * sfm_q, sfm_k, row_ok,
                 start, tl.minimum(start + fp_split_len, fp_len), scale, softcap,
                 16, 1, False, False, False, 16, 1, False, False, False, DV,
                 ROPE, HAS_PASS, HAS_FP_MASK, SOFTCAP, DOT_F32, MATH_F16, BLOCK_M, BLOCK_N,
+                False, False,
             )
     row_out = ((b * (n_kv_heads * GQA) + hq) * q_len + tq) * n_splits + sid  # [BLOCK_M]
     store_split(out_ptr, lse_ptr, row_out, row_ok, ch_v, v_ok, m_i, l_i, acc, DV)
@@ -263,7 +272,8 @@ def decode_attention(
     Args:
         q: ``[B, Hq, Tq, D]`` fp32, fp16 or bf16, already rotated by the model.
         k, v: the packed segment ``[B, Hkv, Tk, D]`` in the layouts of ``k_spec``/``v_spec``
-            (any bits, either axis, uniform or normal levels), or both None.
+            (any bits, either axis, uniform or normal levels, 16- or 8-bit metadata), or
+            both None.
         fk, fv: the full-precision segment ``[B, Hkv, Tf, D]`` in any float dtype (the
             model's), or both None. At least one segment must be given.
         scale, softcap: multiply ``q·k``; cap each score in fp32 before the masks.
@@ -370,6 +380,7 @@ def decode_attention(
     lse = torch.empty((b, hq, tq, splits), device=device, dtype=torch.float32)
     fk_t, fv_t = (fk, fv) if has_fp else (q, q)
     klut, vlut = level_lut(k_spec, device), level_lut(v_spec, device)
+    stab = meta_table(k_spec, v_spec, device=device)
     _decode_kernel[(b * hkv, m_blocks, splits)](
         q, k.codes, ks, kz, v.codes, vs, vz, pos, mask_t, fk_t, fv_t, fpos, fmask_t, cos, sin,
         out, lse,
@@ -390,6 +401,7 @@ def decode_attention(
         SOFTCAP=softcap is not None, DOT_F32=dots_in_fp32(q.dtype),
         MATH_F16=q.dtype == torch.float16, BLOCK_M=block_m, **channel_blocks(rot_dim, dq, dv),
         K_LUT=klut is not None, V_LUT=vlut is not None, klut_ptr=klut, vlut_ptr=vlut,
+        K_M8=k_spec.meta8, V_M8=v_spec.meta8, stab_ptr=stab,
     )
     if splits == 1:
         return out.squeeze(3), lse.squeeze(3)
@@ -412,6 +424,9 @@ def _zeros_packed(spec: QuantSpec, h: int, t: int, d: int, dtype: torch.dtype,
                              "groups of channels); use a group_size that divides the head dim")
         codes = torch.zeros(1, h, t, d * spec.bits // 8, device=device, dtype=torch.uint8)
         scale_shape = (1, h, t, d // g)
+    if spec.meta8:  # a uint8 scale index and an int8 zero point
+        scale = torch.zeros(scale_shape, device=device, dtype=torch.uint8)
+        return Packed(codes, scale, torch.zeros(scale_shape, device=device, dtype=torch.int8))
     scale = torch.zeros(scale_shape, device=device, dtype=dtype)
     return Packed(codes, scale, torch.zeros_like(scale))
 
@@ -437,12 +452,12 @@ def warm_up_decode(
     """Compile (and on a GPU autotune) the decode kernel of one layer's policy ahead of the
     first step, by launching :func:`decode_attention` on tiny inputs of batch 1.
 
-    A compiled variant is fixed by the policy's widths, layouts and levels, the head
-    shape, the dtypes of every tensor (positions int64, as the runtime builds them), the
-    RoPE style and rotary_dim, softcap, and which segments exist; the autotuner also keys on buckets
-    of the query rows and the split length. Lengths that change per step are not
-    specialised, so one warm launch per segment layout covers every later step of that
-    layout and bucket.
+    A compiled variant is fixed by the policy's widths, layouts, levels and metadata
+    widths, the head shape, the dtypes of every tensor (positions int64, as the runtime
+    builds them), the RoPE style and rotary_dim, softcap, and which segments exist; the
+    autotuner also keys on buckets of the query rows and the split length. Lengths that
+    change per step are not specialised, so one warm launch per segment layout covers
+    every later step of that layout and bucket.
 
     Args:
         key_spec, value_spec: the layer's policy.

@@ -15,6 +15,12 @@ is ``value * scale + zero`` in fp32 (fp16 for fp16 queries), as
 uniform levels; for non-uniform ones (``LUT``, a constexpr: uniform tiles compile without
 it) it is read from the fp32 level table at ``lut_ptr`` (``QuantSpec.table``, 2-16
 entries, cached on the device by :func:`kvpolicy.kernels._triton_util.level_lut`).
+With 8-bit metadata (``M8``, a constexpr: 16-bit metadata compiles without it) the stored
+scale is a uint8 index into the 256 fp32 scales at ``stab_ptr``
+(:func:`kvpolicy.kernels.layout.scale_table`, cached by
+:func:`kvpolicy.kernels._triton_util.meta_table`) and the stored zero an int8 zero point
+``p``: ``scale = stab_ptr[index]``, ``zero = -p * scale`` in fp32, as
+:func:`kvpolicy.kernels.reference.meta_values` (:func:`_meta_values`).
 
 Attending: :func:`query_sets` loads a program's query rows as the channel sets a rotation
 pairs, :func:`attend_keys` runs the online softmax of those rows over one range of a
@@ -35,6 +41,14 @@ __all__ = [
 
 
 @triton.jit
+def _meta_values(index, point, stab_ptr):
+    """fp32 scale and zero of 8-bit metadata (``M8``): ``stab_ptr[index]`` for the uint8
+    scale index and ``-point * scale`` for the int8 zero point, as the reference."""
+    scale = tl.load(stab_ptr + index.to(tl.int32))  # masked metadata reads index 0
+    return scale, -point.to(tl.float32) * scale
+
+
+@triton.jit
 def dequant_tile(
     c_ptr,  # codes of this (batch, head); plain values when BITS == 16
     s_ptr,  # scale of this (batch, head) (unused when BITS == 16)
@@ -48,10 +62,12 @@ def dequant_tile(
     ch,  # [C] channel indices
     ok,  # [N, C] which elements exist
     lut_ptr,  # fp32 value of each code (LUT); None otherwise
+    stab_ptr,  # fp32 scales of 8-bit scale indices (M8); None otherwise
     BITS: tl.constexpr,  # code width, or 16 for a plain tensor
     GROUP: tl.constexpr,  # group size G
     CHANNEL_AXIS: tl.constexpr,  # True: groups of G tokens per channel; False: G channels
     LUT: tl.constexpr,  # non-uniform levels: a code's value is lut_ptr[code]
+    M8: tl.constexpr,  # 8-bit metadata: uint8 scale index, int8 zero point
 ):
     """Dequantized fp32 ``[N, C]`` tile of one packed tensor (``value * scale + zero``)."""
     t2 = tok[:, None]
@@ -75,8 +91,12 @@ def dequant_tile(
             nxt = tl.load(byte_ptr + sc_1, mask=ok & (shift + BITS > 8), other=0)
             raw = raw | (nxt.to(tl.int32) << 8)
         code = (raw >> shift) & ((1 << BITS) - 1)
-        scale = tl.load(s_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
+        if M8:
+            scale, zero = _meta_values(tl.load(s_ptr + s_off, mask=ok, other=0),
+                                       tl.load(z_ptr + s_off, mask=ok, other=0), stab_ptr)
+        else:
+            scale = tl.load(s_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
+            zero = tl.load(z_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
         if LUT:
             x = tl.load(lut_ptr + code) * scale + zero  # masked elements read code 0
         else:
@@ -130,11 +150,13 @@ def _dequant_channel_groups(
     ch,  # [C] channel indices
     ch_ok,  # [C] which channels exist
     lut_ptr,  # fp32 value of each code (LUT); None otherwise
+    stab_ptr,  # fp32 scales of 8-bit scale indices (M8); None otherwise
     BITS: tl.constexpr,  # code width dividing 8
     GROUP: tl.constexpr,  # G, a power of two dividing BLOCK_N
     BLOCK_N: tl.constexpr,  # tokens in the tile
     F16: tl.constexpr,  # compute in fp16 (fp16 queries) instead of fp32
     LUT: tl.constexpr,  # non-uniform levels (see _dequant)
+    M8: tl.constexpr,  # 8-bit metadata (see _meta_values)
 ):
     """Fast path of :func:`dequant_tile` for whole groups of per-channel codes.
 
@@ -155,8 +177,12 @@ def _dequant_channel_groups(
     codes = tl.reshape(codes, [NGT, GROUP, ch.shape[0]])  # token = byte * PER + k
     s_off = g[:, None] * ss_0 + ch[None, :] * ss_1
     s_ok = g_ok[:, None] & ch_ok[None, :]
-    scale = tl.load(s_ptr + s_off, mask=s_ok, other=0.0)
-    zero = tl.load(z_ptr + s_off, mask=s_ok, other=0.0)
+    if M8:
+        scale, zero = _meta_values(tl.load(s_ptr + s_off, mask=s_ok, other=0),
+                                   tl.load(z_ptr + s_off, mask=s_ok, other=0), stab_ptr)
+    else:
+        scale = tl.load(s_ptr + s_off, mask=s_ok, other=0.0)
+        zero = tl.load(z_ptr + s_off, mask=s_ok, other=0.0)
     x = _dequant(codes, scale[:, None, :], zero[:, None, :], lut_ptr, F16, LUT)
     return tl.reshape(x, [BLOCK_N, ch.shape[0]])
 
@@ -171,11 +197,13 @@ def dequant_token_rows(
     tok,  # [N] token indices
     tok_ok,  # [N] which tokens exist
     lut_ptr,  # fp32 value of each code (LUT); None otherwise
+    stab_ptr,  # fp32 scales of 8-bit scale indices (M8); None otherwise
     BITS: tl.constexpr,  # code width dividing 8
     GROUP: tl.constexpr,  # G, a power of two dividing D
     D: tl.constexpr,  # head dim, a power of two
     F16: tl.constexpr,  # compute in fp16 (fp16 queries) instead of fp32
     LUT: tl.constexpr,  # non-uniform levels (see _dequant)
+    M8: tl.constexpr,  # 8-bit metadata (see _meta_values)
 ):
     """Fast path of :func:`dequant_tile` for whole rows of per-token codes: each byte is
     loaded once and split in registers, scale and zero once per (token, group)."""
@@ -192,8 +220,12 @@ def dequant_token_rows(
     codes = tl.reshape(codes, [tok.shape[0], NG, GROUP])  # channel = g*G + byte*PER + k
     s_off = tok[:, None] * ss_0 + jg[None, :] * ss_1
     s_ok = tok_ok[:, None] & (jg[None, :] >= 0)
-    scale = tl.load(s_ptr + s_off, mask=s_ok, other=0.0)
-    zero = tl.load(z_ptr + s_off, mask=s_ok, other=0.0)
+    if M8:
+        scale, zero = _meta_values(tl.load(s_ptr + s_off, mask=s_ok, other=0),
+                                   tl.load(z_ptr + s_off, mask=s_ok, other=0), stab_ptr)
+    else:
+        scale = tl.load(s_ptr + s_off, mask=s_ok, other=0.0)
+        zero = tl.load(z_ptr + s_off, mask=s_ok, other=0.0)
     x = _dequant(codes, scale[:, :, None], zero[:, :, None], lut_ptr, F16, LUT)
     return tl.reshape(x, [tok.shape[0], D])
 
@@ -209,8 +241,10 @@ def load_keys(
     ch,  # [C] channel indices
     ch_ok,  # [C] which channels exist
     lut_ptr,  # fp32 value of each code (LUT); None otherwise
+    stab_ptr,  # fp32 scales of 8-bit scale indices (M8); None otherwise
     BITS: tl.constexpr, GROUP: tl.constexpr, CHANNEL_AXIS: tl.constexpr,  # key policy
     LUT: tl.constexpr,  # non-uniform levels (see dequant_tile)
+    M8: tl.constexpr,  # 8-bit metadata (see dequant_tile)
     FAST: tl.constexpr,  # whole per-channel groups with BITS dividing 8 (host-checked)
     BLOCK_N: tl.constexpr,  # tokens in the tile
     F16: tl.constexpr,  # return fp16 (fp16 queries) instead of fp32
@@ -218,11 +252,12 @@ def load_keys(
     """Dequantized ``[N, C]`` key tile, by the fast path where the layout allows."""
     if FAST and BLOCK_N % GROUP == 0:
         x = _dequant_channel_groups(c_ptr, s_ptr, z_ptr, sc_0, sc_1, sc_2, ss_0, ss_1, n0,
-                                    n_end, ch, ch_ok, lut_ptr, BITS, GROUP, BLOCK_N, F16, LUT)
+                                    n_end, ch, ch_ok, lut_ptr, stab_ptr, BITS, GROUP, BLOCK_N,
+                                    F16, LUT, M8)
     else:
         x = dequant_tile(c_ptr, s_ptr, z_ptr, sc_0, sc_1, sc_2, ss_0, ss_1, tok, ch,
-                          tok_ok[:, None] & ch_ok[None, :], lut_ptr, BITS, GROUP,
-                          CHANNEL_AXIS, LUT)
+                          tok_ok[:, None] & ch_ok[None, :], lut_ptr, stab_ptr, BITS, GROUP,
+                          CHANNEL_AXIS, LUT, M8)
         if F16:
             x = x.to(tl.float16)
     return x
@@ -291,6 +326,7 @@ def attend_keys(
     vc, vs, vz,  # values of this (batch, kv head)
     svc_0, svc_1, svc_2, svs_0, svs_1,  # their strides
     vlut,  # fp32 value of each value code (V_LUT); None otherwise
+    stab,  # fp32 scales of 8-bit scale indices (K_M8 or V_M8); None otherwise
     pos_row, sp_t,  # positions of this batch row's keys and their stride (ROPE != 0)
     cos_ptr, sin_ptr, sr_p, sr_d,  # rotary tables and their strides (ROPE != 0)
     mask_rows, sm_k,  # [BLOCK_M] pointers to each row's mask, key stride (HAS_MASK)
@@ -304,6 +340,7 @@ def attend_keys(
     ROPE: tl.constexpr, HAS_PASS: tl.constexpr, HAS_MASK: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, MATH_F16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_M8: tl.constexpr, V_M8: tl.constexpr,  # 8-bit metadata of the keys / values
 ):
     """Online softmax of a program's query rows over keys ``[start, end)`` of one segment.
 
@@ -320,11 +357,11 @@ def attend_keys(
         if ROPE != 0:
             ok = tok_ok[:, None] & r_ok[None, :]
             k_a = load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, end, tok,
-                            tok_ok, ch_a, r_ok, klut, K_BITS, K_GROUP, K_CHANNEL, K_LUT, K_FAST,
-                            BLOCK_N, MATH_F16)
+                            tok_ok, ch_a, r_ok, klut, stab, K_BITS, K_GROUP, K_CHANNEL, K_LUT,
+                            K_M8, K_FAST, BLOCK_N, MATH_F16)
             k_b = load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, end, tok,
-                            tok_ok, ch_b, r_ok, klut, K_BITS, K_GROUP, K_CHANNEL, K_LUT, K_FAST,
-                            BLOCK_N, MATH_F16)
+                            tok_ok, ch_b, r_ok, klut, stab, K_BITS, K_GROUP, K_CHANNEL, K_LUT,
+                            K_M8, K_FAST, BLOCK_N, MATH_F16)
             # Both channels of a pair turn by the same angle (RotarySpec's table layout),
             # so one gather of the table at the first channel serves both.
             pos = tl.load(pos_row + tok * sp_t, mask=tok_ok, other=0)
@@ -337,8 +374,8 @@ def attend_keys(
             s += qk(q_b, rot_b, DOT_F32)
         if HAS_PASS:
             k_p = load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, end, tok,
-                            tok_ok, ch_p, p_ok, klut, K_BITS, K_GROUP, K_CHANNEL, K_LUT, K_FAST,
-                            BLOCK_N, MATH_F16)
+                            tok_ok, ch_p, p_ok, klut, stab, K_BITS, K_GROUP, K_CHANNEL, K_LUT,
+                            K_M8, K_FAST, BLOCK_N, MATH_F16)
             s += qk(q_p, k_p, DOT_F32)
         s = s * scale
         if SOFTCAP:
@@ -360,11 +397,11 @@ def attend_keys(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if V_FAST:
             v = dequant_token_rows(vc, vs, vz, svc_0, svc_1, svs_0, svs_1, tok, tok_ok, vlut,
-                                   V_BITS, V_GROUP, DV, MATH_F16, V_LUT)
+                                   stab, V_BITS, V_GROUP, DV, MATH_F16, V_LUT, V_M8)
         else:
             v = dequant_tile(vc, vs, vz, svc_0, svc_1, svc_2, svs_0, svs_1, tok, ch_v,
-                             tok_ok[:, None] & v_ok[None, :], vlut, V_BITS, V_GROUP,
-                             V_CHANNEL, V_LUT)
+                             tok_ok[:, None] & v_ok[None, :], vlut, stab, V_BITS, V_GROUP,
+                             V_CHANNEL, V_LUT, V_M8)
         if DOT_F32:
             pv = tl.dot(p, v, input_precision="ieee")
         else:

@@ -20,6 +20,16 @@ reductions that sum in another order, so a scale or zero can differ from it by o
 rounding of the cache dtype, and the codes of an element near a threshold with it; with
 equal scale and zero the codes are equal.
 
+8-bit metadata (``META8``, a constexpr: 16-bit metadata compiles without it) stores a
+uint8 scale index and an int8 zero point (:mod:`.layout`): the step the group needs,
+``max((max - min) / (2**bits - 1), |min| / 127)``, is looked up in the 256 increasing fp32
+scales of :func:`kvpolicy.kernels.layout.scale_table` (a device table) by a branch-free
+binary search, 8 comparisons that give ``torch.searchsorted``'s index exactly (clamped
+to 255, as the reference); the zero point is ``round(-min / scale)`` clamped to int8, and
+the codes are computed against ``scale`` and ``-point * scale``: the same fp32 operations
+as :func:`kvpolicy.kernels.reference.quantize`, so codes, indices and zero points are
+bit-identical.
+
 Packing works in *chunks*: ``CH = 8 // gcd(bits, 8)`` codes fill ``CB = CH * bits // 8``
 whole bytes (8 codes -> 3 bytes at 3 bits). ``G * bits % 8 == 0`` makes every group a
 whole number of chunks, so a program assembles each chunk in an int32 and writes its CB
@@ -35,7 +45,7 @@ import triton
 import triton.language as tl
 
 from ..errors import CacheError
-from ._triton_util import interpreting, threshold_table
+from ._triton_util import interpreting, meta_table, threshold_table
 from .layout import Packed, QuantSpec
 
 __all__ = ["quantize"]
@@ -86,17 +96,31 @@ def _round_to_bf16(x):
     return u.to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _scale_index(need, stab_ptr):
+    """``min(searchsorted(table, need), 255)``: the smallest ``i`` with
+    ``table[i] >= need`` (255 where none is), for the 256 increasing scales at
+    ``stab_ptr``. Branch-free binary search: bit ``7 - k`` of the index is set when the
+    entry ``step - 1`` past the bits found so far is still below ``need``."""
+    idx = tl.zeros(need.shape, tl.int32)
+    for k in tl.static_range(8):
+        below = tl.load(stab_ptr + idx + ((128 >> k) - 1)) < need
+        idx = tl.where(below, idx + (128 >> k), idx)
+    return idx
+
+
 @triton.autotune(
     configs=_QUANT_CONFIGS,
-    key=["lane_bucket", "GROUP", "BITS", "NORMAL"],
+    key=["lane_bucket", "GROUP", "BITS", "NORMAL", "META8"],
     prune_configs_by={"early_config_prune": _keep_quant_config},
 )
 @triton.jit
 def _quantize_pack_kernel(
     x_ptr,  # input [B, H, T, D] float, any strides
     codes_ptr,  # out uint8: channel [B,H,T//G,G*bits//8,D] / token [B,H,T,D*bits//8]
-    scale_ptr,  # out scale in the cache dtype: channel [B,H,T//G,D] / token [B,H,T,D//G]
-    zero_ptr,  # out zero, same shape/strides as scale
+    scale_ptr,  # out scale in the cache dtype (uint8 index with META8):
+    #             channel [B,H,T//G,D] / token [B,H,T,D//G]
+    zero_ptr,  # out zero (int8 zero point with META8), same shape/strides as scale
     n_heads,  # H, to split program id 0 into (batch, head)
     n_lanes,  # lanes along the free axis (D for channel, T for token)
     lane_bucket,  # next_power_of_2(n_lanes): an autotune key only (no re-tune per length)
@@ -119,10 +143,13 @@ def _quantize_pack_kernel(
     BLOCK_L: tl.constexpr,  # lanes per program (autotuned)
     NORMAL: tl.constexpr = False,  # normal levels: mean and deviation, codes by thresholds
     thr_ptr=None,  # fp32 thresholds [2**BITS - 1], ascending (NORMAL)
+    META8: tl.constexpr = False,  # 8-bit metadata: uint8 scale index, int8 zero point
+    stab_ptr=None,  # fp32 scales [256], increasing (META8)
 ):
     tl.static_assert(BITS >= 1 and BITS <= 8, "BITS must be 1..8")
     tl.static_assert((GROUP * BITS) % 8 == 0, "every group must start on a byte boundary")
     tl.static_assert(GROUP % CH == 0, "a group holds whole chunks")
+    tl.static_assert(not (NORMAL and META8), "8-bit metadata takes uniform levels")
     CB: tl.constexpr = CH * BITS // 8  # bytes per chunk
     LEVELS: tl.constexpr = (1 << BITS) - 1
 
@@ -156,17 +183,29 @@ def _quantize_pack_kernel(
         scale_st = tl.div_rn(hi - lo, tl.full(hi.shape, LEVELS, tl.float32))
         zero_st = lo
 
-    # Store scale/zero in the cache dtype; compute codes against the stored values.
-    if STORE_BF16:
-        zero_st = _round_to_bf16(zero_st)
-        scale_st = _round_to_bf16(scale_st)
-    zero_st = zero_st.to(zero_ptr.dtype.element_ty)
-    scale_st = scale_st.to(scale_ptr.dtype.element_ty)
-    s_off = b * ss_b + h * ss_h + pid_n * ss_n + lanes * ss_l
-    tl.store(zero_ptr + s_off, zero_st, mask=lane_ok)
-    tl.store(scale_ptr + s_off, scale_st, mask=lane_ok)
-    z32 = zero_st.to(tl.float32)
-    s32 = scale_st.to(tl.float32)
+    if META8:
+        # The table's first scale at or above the step the group needs (widened so that
+        # the zero point fits an int8), the zero point on that grid.
+        need = tl.maximum(scale_st, tl.div_rn(tl.abs(lo), tl.full(lo.shape, 127, tl.float32)))
+        idx = _scale_index(need, stab_ptr)
+        s32 = tl.load(stab_ptr + idx)
+        point = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(-lo, s32)), -128.0), 127.0)
+        z32 = -point * s32
+        s_off = b * ss_b + h * ss_h + pid_n * ss_n + lanes * ss_l
+        tl.store(zero_ptr + s_off, point.to(tl.int32).to(tl.int8), mask=lane_ok)
+        tl.store(scale_ptr + s_off, idx.to(tl.uint8), mask=lane_ok)
+    else:
+        # Store scale/zero in the cache dtype; compute codes against the stored values.
+        if STORE_BF16:
+            zero_st = _round_to_bf16(zero_st)
+            scale_st = _round_to_bf16(scale_st)
+        zero_st = zero_st.to(zero_ptr.dtype.element_ty)
+        scale_st = scale_st.to(scale_ptr.dtype.element_ty)
+        s_off = b * ss_b + h * ss_h + pid_n * ss_n + lanes * ss_l
+        tl.store(zero_ptr + s_off, zero_st, mask=lane_ok)
+        tl.store(scale_ptr + s_off, scale_st, mask=lane_ok)
+        z32 = zero_st.to(tl.float32)
+        s32 = scale_st.to(tl.float32)
     has_range = s32 > 0.0
     safe = tl.where(has_range, s32, 1.0)
 
@@ -201,12 +240,14 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
         x: ``[B, H, T, D]`` float16/bfloat16/float32 (any strides). For
             ``spec.axis == "channel"`` T must be a multiple of ``spec.group_size``; for
             ``"token"`` D must be.
-        spec: bits, group size, axis, levels.
+        spec: bits, group size, axis, levels, metadata width.
         dtype: dtype of the stored scale/zero (and of the plain tensor at 16 bits);
-            defaults to ``x.dtype``.
+            defaults to ``x.dtype``. 8-bit metadata is uint8 (scale index) and int8
+            (zero point) whatever ``dtype``.
     Returns:
         :class:`Packed` with contiguous tensors, bit-identical to
-        :func:`kvpolicy.kernels.reference.quantize` for uniform levels (for normal ones
+        :func:`kvpolicy.kernels.reference.quantize` for uniform levels, with 16- or 8-bit
+        metadata (for normal ones
         up to the summation order of the mean and deviation: see the module docstring):
         channel: codes uint8 ``[B, H, T//G, G*bits//8, D]``, scale/zero ``[B, H, T//G, D]``;
         token: codes uint8 ``[B, H, T, D*bits//8]``, scale/zero ``[B, H, T, D//G]``.
@@ -226,6 +267,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
     b, h, t, d = x.shape
     g, bits = spec.group_size, spec.bits
     nbytes = g * bits // 8
+    scale_dtype = torch.uint8 if spec.meta8 else dtype
     if spec.axis == "channel":
         if t % g != 0:
             raise CacheError(
@@ -234,7 +276,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
             )
         n_groups, n_lanes = t // g, d
         codes = torch.empty((b, h, n_groups, nbytes, d), dtype=torch.uint8, device=x.device)
-        scale = torch.empty((b, h, n_groups, d), dtype=dtype, device=x.device)
+        scale = torch.empty((b, h, n_groups, d), dtype=scale_dtype, device=x.device)
         sx_e, sx_l = x.stride(2), x.stride(3)
         sc_n, sc_y, sc_l = codes.stride(2), codes.stride(3), codes.stride(4)
         ss_n, ss_l = scale.stride(2), scale.stride(3)
@@ -246,11 +288,11 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
             )
         n_groups, n_lanes = d // g, t
         codes = torch.empty((b, h, t, d * bits // 8), dtype=torch.uint8, device=x.device)
-        scale = torch.empty((b, h, t, d // g), dtype=dtype, device=x.device)
+        scale = torch.empty((b, h, t, d // g), dtype=scale_dtype, device=x.device)
         sx_e, sx_l = x.stride(3), x.stride(2)
         sc_n, sc_y, sc_l = nbytes * codes.stride(3), codes.stride(3), codes.stride(2)
         ss_n, ss_l = scale.stride(3), scale.stride(2)
-    zero = torch.empty_like(scale)
+    zero = torch.empty_like(scale, dtype=torch.int8 if spec.meta8 else dtype)
     if codes.numel() == 0:
         return Packed(codes, scale, zero)
 
@@ -270,8 +312,10 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
         CH=ch,
         BLOCK_G=triton.next_power_of_2(g),
         BLOCK_W=triton.next_power_of_2(g // ch),
-        STORE_BF16=dtype == torch.bfloat16,
+        STORE_BF16=dtype == torch.bfloat16 and not spec.meta8,
         NORMAL=not spec.uniform,
         thr_ptr=None if spec.uniform else threshold_table(bits, x.device),
+        META8=spec.meta8,
+        stab_ptr=meta_table(spec, device=x.device),
     )
     return Packed(codes, scale, zero)

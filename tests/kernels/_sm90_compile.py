@@ -6,7 +6,9 @@ interpreter executes kernels as Python and accepts programs that the compiler re
 this is the only check of the compiled path on a machine without a GPU. Prints one line
 per compiled variant and exits non-zero on the first failure. The variants with normal
 levels compile the level-table reads (``K_LUT``/``V_LUT``) and the threshold codes of the
-quantize kernel; the others leave those arguments at their defaults, as uniform launches.
+quantize kernel; the variants with 8-bit metadata the scale-table reads (``K_M8``/``V_M8``,
+uint8 scale indices and int8 zero points) and the quantizer's index search (``META8``);
+the others leave those arguments at their defaults, as uniform 16-bit-metadata launches.
 """
 
 from __future__ import annotations
@@ -40,10 +42,22 @@ def _levels(consts: dict, ptrs: dict, k_lut: bool, v_lut: bool) -> None:
         ptrs["vlut_ptr"] = "*fp32"
 
 
+def _meta8(consts: dict, ptrs: dict, k_m8: bool, v_m8: bool) -> None:
+    """8-bit metadata of keys / values: uint8 scale indices, int8 zero points, the table."""
+    if k_m8 or v_m8:
+        consts.update(K_M8=k_m8, V_M8=v_m8)
+        ptrs["stab_ptr"] = "*fp32"
+    if k_m8:
+        ptrs.update(ks_ptr="*u8", kz_ptr="*i8")
+    if v_m8:
+        ptrs.update(vs_ptr="*u8", vz_ptr="*i8")
+
+
 def attention(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, mask=False, block_n=64,
-              k_lut=False, v_lut=False):
+              k_lut=False, v_lut=False, k_m8=False, v_m8=False):
     """One attention variant: ``kaxis``/``vaxis`` are "channel" or "token"; ``k_lut`` /
-    ``v_lut``: normal levels (None pointers and False flags otherwise, as at run time)."""
+    ``v_lut``: normal levels, ``k_m8`` / ``v_m8``: 8-bit metadata (None pointers and False
+    flags otherwise, as at run time)."""
     g = 32
     t = 4096
     ints = {n: 64 for n in ta._packed_attention_kernel.arg_names}  # strides, sizes
@@ -68,10 +82,12 @@ def attention(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, mask=False, bl
         BLOCK_DV=triton.next_power_of_2(d), BLOCK_N=block_n,
     )
     _levels(consts, ptrs, k_lut, v_lut)
+    _meta8(consts, ptrs, k_m8, v_m8)
     return _compile(ta._packed_attention_kernel, ints, ptrs, consts, floats=("scale",))
 
 
-def decode(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, k_lut=False, v_lut=False):
+def decode(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, k_lut=False, v_lut=False,
+           k_m8=False, v_m8=False):
     """One variant of the fused decode kernel (both segments, fp16 cache)."""
     g = 32
     ints = {n: 64 for n in td._decode_kernel.arg_names}
@@ -93,10 +109,11 @@ def decode(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, k_lut=False, v_lu
         BLOCK_M=16, BLOCK_N=64, **channel_blocks(rot, d, d),
     )
     _levels(consts, ptrs, k_lut, v_lut)
+    _meta8(consts, ptrs, k_m8, v_m8)
     return _compile(td._decode_kernel, ints, ptrs, consts, floats=("scale", "softcap"))
 
 
-def quantize(bits, g, sdt, normal=False):
+def quantize(bits, g, sdt, normal=False, meta8=False):
     ints = {n: 64 for n in tq._quantize_pack_kernel.arg_names}
     ints.update(sx_l=1, sc_l=1, ss_l=1)
     ptrs = dict(x_ptr="*fp16", codes_ptr="*u8", scale_ptr=f"*{sdt}", zero_ptr=f"*{sdt}")
@@ -106,6 +123,9 @@ def quantize(bits, g, sdt, normal=False):
                   NORMAL=normal)
     if normal:
         ptrs["thr_ptr"] = "*fp32"
+    if meta8:  # a uint8 scale index and an int8 zero point, whatever the cache dtype
+        consts.update(META8=True, STORE_BF16=False)
+        ptrs.update(scale_ptr="*u8", zero_ptr="*i8", stab_ptr="*fp32")
     return _compile(tq._quantize_pack_kernel, ints, ptrs, consts, warps=2)
 
 
@@ -145,6 +165,18 @@ def main() -> int:
                         v_lut=True)),
         ("quantize 4-bit normal fp16 scales", lambda: quantize(4, 32, "fp16", normal=True)),
         ("quantize 3-bit normal bf16 scales", lambda: quantize(3, 32, "bf16", normal=True)),
+        # 8-bit metadata: scale-table reads on the fast paths (fp16 math), in the gathers
+        # and in the decode kernel; the quantizer's index search
+        ("attn fp16 K2ch V2tok 8-bit metadata, fast paths",
+         lambda: attention("fp16", 2, "channel", 2, "token", 1, 128, k_m8=True, v_m8=True)),
+        ("attn fp32 K3ch 8-bit metadata, V3ch 16-bit, partial+mask",
+         lambda: attention("fp32", 3, "channel", 3, "channel", 1, 32, mask=True, k_m8=True)),
+        ("decode fp16 K2ch V2tok 8-bit metadata",
+         lambda: decode("fp16", 2, "channel", 2, "token", 1, 128, k_m8=True, v_m8=True)),
+        ("decode bf16 K4tok 16-bit, V3ch 8-bit metadata d80",
+         lambda: decode("bf16", 4, "token", 3, "channel", 1, 64, d=80, v_m8=True)),
+        ("quantize 2-bit 8-bit metadata", lambda: quantize(2, 32, "fp16", meta8=True)),
+        ("quantize 3-bit 8-bit metadata", lambda: quantize(3, 16, "bf16", meta8=True)),
     ]
     for name, build in variants:
         build()
