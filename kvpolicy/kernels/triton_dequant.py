@@ -44,6 +44,11 @@ __all__ = [
 def _meta_values(index, point, stab_ptr):
     """fp32 scale and zero of 8-bit metadata (``M8``): ``stab_ptr[index]`` for the uint8
     scale index and ``-point * scale`` for the int8 zero point, as the reference."""
+    # NOTE: sm_90 static cost (bench/sm90_static.py --meta8, 2-bit keys and values, G=32,
+    # fp16): the table gather and the product add 5-20% thread-instructions per key over
+    # fp16 metadata (Llama-3-8B shape, 64 keys x 4 warps: 3200 -> 3406; SmolLM2: 1838 ->
+    # 2140); one kept config (SmolLM2, 64 keys x 8 warps, 3 stages) spills 16 bytes. Not
+    # timed (no GPU when written).
     scale = tl.load(stab_ptr + index.to(tl.int32))  # masked metadata reads index 0
     return scale, -point.to(tl.float32) * scale
 
