@@ -142,7 +142,9 @@ def _over_budget(budget: float, pinned: Mapping[int, int], sizes: Sequence[int],
     )
 
 
-Option = tuple[int, int]  # (width, group size)
+# (width, group size), or (width, group size, scale bits) for an option that carries its
+# own metadata width (8-bit scales and zeros).
+Option = tuple[int, ...]
 
 
 def allocate_stored(
@@ -155,7 +157,8 @@ def allocate_stored(
     stored-bits budget held, scales and zeros counted (:func:`stored_bits`).
 
     Args:
-        errors: per tensor, ``{(width, group): error}`` over its feasible options. A
+        errors: per tensor, ``{(width, group): error}`` over its feasible options (an
+            option ``(width, group, scale bits)`` counts its own metadata width). A
             tensor with one option is fixed (a rule set its width and group, or keeps it
             at 16 bits): it counts against the budget, its error does not matter.
         sizes: per tensor, elements per token.
@@ -180,8 +183,8 @@ def allocate_stored(
     per_tensor = [scale_bits] * len(errors) if isinstance(scale_bits, int) else list(scale_bits)
     if len(per_tensor) != len(errors):
         raise ValueError(f"{len(per_tensor)} scale widths for {len(errors)} tensors")
-    exact = [{o: sizes[i] * _stored_exact(*o, per_tensor[i]) for o in errs}
-             for i, errs in enumerate(errors)]
+    exact = [{o: sizes[i] * _stored_exact(o[0], o[1], o[2] if len(o) > 2 else per_tensor[i])
+              for o in errs} for i, errs in enumerate(errors)]
     denom = math.lcm(*(f.denominator for row in exact for f in row.values()))
     units = [{o: int(f * denom) for o, f in row.items()} for row in exact]
     fixed = [i for i, errs in enumerate(errors) if len(errs) == 1]

@@ -191,12 +191,46 @@ def _variant_reason(t: TensorPolicy, data: dict[str, Any], w: int, plain: float 
     return text
 
 
-Option = tuple[int, int]
+# (width, group size), or (width, group size, 8) for 8-bit scales and zeros.
+Option = tuple[int, ...]
+
+
+def _meta8_options(calibration: Calibration, t: TensorPolicy) -> dict[Option, float]:
+    """``{(width, group, 8): error}`` of ``t`` with 8-bit metadata (``meta_bits: auto``)."""
+    if t.meta_bits != "auto" or t.pinned_full_precision:
+        return {}
+    out: dict[Option, float] = {}
+    for g in t.group_sizes or (t.group_size,):
+        got = calibration.errors(t.layer, t.tensor, group=g if t.group_sizes else None,
+                                 meta8=True)
+        out.update({(w, g, 8): e for w, e in got.items()})
+    if not out and calibration.errors(t.layer, t.tensor, group=t.group_sizes[0]
+                                      if t.group_sizes else None):
+        raise PolicyError(
+            f"layer {t.layer} {t.tensor.value}: meta_bits: auto, but the calibration has no "
+            "errors with 8-bit metadata; delete the 'calibration' block so that "
+            "compile_model measures it again"
+        )
+    return out
+
+
+def _meta_text(t: TensorPolicy, o: Option, opts: dict[Option, float]) -> str:
+    """Why ``meta_bits: auto`` chose the metadata width of ``o`` (nothing otherwise)."""
+    if t.meta_bits != "auto" or o[0] >= 16:
+        return ""
+    w, g = o[:2]
+    e8, e16 = opts.get((w, g, 8)), opts.get((w, g))
+    chosen = "8" if len(o) > 2 else "16"
+    cost = " · ".join(f"{m}-bit {_fmt(e)}" for m, e in (("8", e8), ("16", e16))
+                      if e is not None)
+    return (f"; meta_bits: auto chose {chosen} (at {_bits(w)}, group {g}: {cost}; the "
+            "allocator prices each by its stored bits)")
 
 
 def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
                   scale_bits: int) -> ModelPolicy:
-    """:func:`apply_budget` for a stored-bits budget: a ``(width, group)`` per tensor."""
+    """:func:`apply_budget` for a stored-bits budget: a ``(width, group)`` per tensor, and
+    under ``meta_bits: auto`` the metadata width too."""
     tensors = policy.tensors
     # Per tensor: {option: error} plain, rotated and with normal levels (_measured).
     measured: list[tuple[dict[Option, float], ...]] = []
@@ -218,6 +252,8 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
         else:
             opts = {o: _pick(e, r.get(o), n.get(o))[0] for o, e in p.items()  # type: ignore[misc]
                     if t.bits_from != "rule" or o[0] == t.bits}
+            opts.update({o: e for o, e in _meta8_options(calibration, t).items()
+                         if t.bits_from != "rule" or o[0] == t.bits})
             if t.bits_from == "rule" and not opts:  # a pinned width the table lacks
                 opts = {(t.bits, t.group_size): 0.0}
             if not opts:
@@ -229,15 +265,18 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
                 )
         options.append(opts)
     sizes = [t.elements_per_token for t in tensors]
-    # Each tensor's scale and zero: the cache dtype's, or a byte with 8-bit metadata.
+    # Each tensor's scale and zero: the cache dtype's, or a byte with 8-bit metadata (an
+    # option (width, group, 8) says so itself).
     meta = [8 * t.meta_bytes(scale_bits // 8) for t in tensors]
     chosen = allocate_stored(options, sizes, budget, meta)
     out = []
-    for i, (t, (w, g)) in enumerate(zip(tensors, chosen, strict=True)):
+    for i, (t, o) in enumerate(zip(tensors, chosen, strict=True)):
+        w, g = o[:2]
+        mb = o[2] if len(o) > 2 else meta[i]
         data = t.model_dump()
-        sb = stored_bits(w, g, meta[i])
+        sb = stored_bits(w, g, mb)
         what = (f"{_bits(w)}, group {g}: {sb:.2f} stored bits per "
-                f"element ({w} + 2 x {meta[i]}/{g})" if w < 16 else
+                f"element ({w} + 2 x {mb}/{g})" if w < 16 else
                 "16 bits: 16.00 stored bits per element, no scales")
         pinned = t.bits_from == "rule"
         if pinned:
@@ -246,17 +285,26 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
         else:
             reason = (f"{t.reason}; stored-bits budget {budget:g}: {what}, from the measured "
                       f"{calibration.metric} of quantizing this tensor alone")
+        same_meta = [x for x in options[i] if len(x) == len(o)]
         if t.group_sizes and w < 16:
             at_w = " · ".join(
-                f"group {x} {_fmt(options[i][(w, x)])} ({stored_bits(w, x, meta[i]):.2f})"
-                for x in t.group_sizes if (w, x) in options[i])
+                f"group {x[1]} {_fmt(options[i][x])} ({stored_bits(w, x[1], mb):.2f})"
+                for x in sorted(same_meta) if x[0] == w)
             reason += f"; at {_bits(w)}: {at_w}"
         if not pinned:
-            at_g = " · ".join(f"{x} b {_fmt(e)}" for (x, y), e in sorted(options[i].items())
-                              if y == g)
+            at_g = " · ".join(f"{x[0]} b {_fmt(options[i][x])}" for x in sorted(same_meta)
+                              if x[1] == g)
             reason += f"; at group {g}: {at_g}"
-        p, r, n = measured[i]
-        reason += _variant_reason(t, data, w, p.get((w, g)), r.get((w, g)), n.get((w, g)))
+        reason += _meta_text(t, o, options[i])
+        if len(o) > 2:  # 8-bit metadata: uniform levels, no rotation was measured with it
+            data.update(meta_bits=8, levels="uniform" if t.levels == "auto" else t.levels,
+                        rotation="none" if t.rotation == "auto" else t.rotation)
+        else:
+            if t.meta_bits == "auto":
+                data["meta_bits"] = 16
+            p, r, n = measured[i]
+            reason += _variant_reason(t, data, w, p.get((w, g)), r.get((w, g)),
+                                      n.get((w, g)))
         data.update(bits=w, group_size=g, reason=reason,
                     bits_from="rule" if pinned else "budget")
         out.append(TensorPolicy.model_validate(data))

@@ -59,7 +59,7 @@ import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -287,20 +287,33 @@ def _layer_errors(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy, wid
     """``(key errors, value errors, value errors rotated)`` per width at each tensor's own
     group size; the last only for ``rotation: auto`` (the value's ``rotation`` otherwise
     applies to ``value errors``)."""
-    keys, values, rotated, _, _ = _layer_errors_by_group(act, kp, vp, widths, store, metric)
-    turned = None if rotated is None else rotated[vp.group_size]
-    return keys[kp.group_size], values[vp.group_size], turned
+    got = _layer_errors_by_group(act, kp, vp, widths, store, metric)
+    turned = None if got.value_rotated is None else got.value_rotated[vp.group_size]
+    return got.key[kp.group_size], got.value[vp.group_size], turned
+
+
+class GroupErrors(NamedTuple):
+    """Errors ``{group size: [error per width]}`` of one layer, per variant measured (None:
+    not measured for this layer's settings)."""
+
+    key: Rows
+    value: Rows
+    value_rotated: Rows | None  # rotation: auto
+    key_normal: Rows | None  # levels: auto (None entries where a width has no table)
+    value_normal: Rows | None
+    key_meta8: Rows | None  # meta_bits: auto (uniform levels, 8-bit scale and zero)
+    value_meta8: Rows | None
 
 
 @torch.no_grad()
 def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy,
                            widths: Sequence[int], store: torch.dtype, metric: str = "fisher"
-                           ) -> tuple[Rows, Rows, Rows | None, Rows | None, Rows | None]:
-    """``(key, value, value rotated, key normal, value normal)`` errors ``{group size:
-    [error per width]}`` over each tensor's candidate group sizes (:func:`_candidates`), all
-    on one packing schedule. Under ``levels: auto`` the first three are measured with
-    uniform levels and the last two with normal ones (None otherwise; None entries where a
-    width has no normal table); other settings apply their own levels to the first three."""
+                           ) -> GroupErrors:
+    """The errors of every variant a layer's settings ask for (:class:`GroupErrors`) over
+    each tensor's candidate group sizes (:func:`_candidates`), all on one packing schedule.
+    Under ``levels: auto`` the plain rows are measured with uniform levels and the normal
+    rows with normal ones; under ``meta_bits: auto`` the plain rows with 16-bit metadata and
+    the meta8 rows with 8-bit metadata; fixed settings apply to the plain rows."""
     q, k, v = act.query, act.key, act.value
     if metric == "fisher" and act.out_grad is None:
         raise ValueError("the fisher metric needs activations captured with loss_grad=True")
@@ -343,9 +356,9 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
     rotated_errs: Rows | None = {g: [] for g in value_groups} if vp.rotation == "auto" else None
     rotations = ("none", "hadamard") if vp.rotation == "auto" else (vp.rotation,)
 
-    def key_error(w: int, g: int, levels: str) -> float:
+    def key_error(w: int, g: int, levels: str, meta: int = kp.stored_meta_bits) -> float:
         stored = act.key_pre if pre_rope else k
-        spec = QuantSpec(w, g, kp.axis.value, levels, kp.meta_bits)  # type: ignore[arg-type]
+        spec = QuantSpec(w, g, kp.axis.value, levels, meta)  # type: ignore[arg-type]
         k_seg = roundtrip(stored[:, :, seg].contiguous(), spec, store)
         if pre_rope:
             k_seg = reference.apply_rope(k_seg, positions[:, seg], rope)
@@ -355,8 +368,9 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
         s_mix = torch.where(quantized, s_hat, scores) + mask
         return error(torch.matmul(torch.softmax(s_mix, dim=-1), v_heads))
 
-    def value_error(w: int, g: int, rotation: str, levels: str) -> float:
-        spec = QuantSpec(w, g, vp.axis.value, levels, vp.meta_bits)  # type: ignore[arg-type]
+    def value_error(w: int, g: int, rotation: str, levels: str,
+                    meta: int = vp.stored_meta_bits) -> float:
+        spec = QuantSpec(w, g, vp.axis.value, levels, meta)  # type: ignore[arg-type]
         rot = rotation_matrix(rotation, v.shape[-1], v.device)
         if rot is None:
             v_seg = roundtrip(v[:, :, seg].contiguous(), spec, store)
@@ -370,9 +384,12 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
     # has a table.
     # (8-bit metadata has uniform levels only.)
     key_normal: Rows | None = ({g: [] for g in key_groups}
-                               if kp.levels == "auto" and kp.meta_bits == 16 else None)
+                               if kp.levels == "auto" and kp.meta_bits != 8 else None)
     value_normal: Rows | None = ({g: [] for g in value_groups}
-                                 if vp.levels == "auto" and vp.meta_bits == 16 else None)
+                                 if vp.levels == "auto" and vp.meta_bits != 8 else None)
+    key_meta8: Rows | None = {g: [] for g in key_groups} if kp.meta_bits == "auto" else None
+    value_meta8: Rows | None = ({g: [] for g in value_groups} if vp.meta_bits == "auto"
+                                else None)
 
     for w in widths:
         normal_fits = w in NORMAL_LEVELS
@@ -384,6 +401,8 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
             if key_normal is not None:
                 key_normal[g].append(key_error(w, g, "normal") if fits and normal_fits
                                      else None)
+            if key_meta8 is not None:
+                key_meta8[g].append(key_error(w, g, "uniform", 8) if fits else None)
         for g in value_groups:
             fits = _fits(w, g) and not vp.pinned_full_precision
             value_errs[g].append(value_error(w, g, rotations[0], v_levels) if fits else None)
@@ -393,7 +412,11 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
             if value_normal is not None:
                 value_normal[g].append(value_error(w, g, rotations[0], "normal")
                                        if fits and normal_fits else None)
-    return key_errs, value_errs, rotated_errs, key_normal, value_normal
+            if value_meta8 is not None:
+                value_meta8[g].append(value_error(w, g, rotations[0], "uniform", 8)
+                                      if fits else None)
+    return GroupErrors(key_errs, value_errs, rotated_errs, key_normal, value_normal,
+                       key_meta8, value_meta8)
 
 
 def _group_table(rows: Rows | None, t: TensorPolicy, groups: Sequence[int], n: int
@@ -403,6 +426,11 @@ def _group_table(rows: Rows | None, t: TensorPolicy, groups: Sequence[int], n: i
     if rows is None or not t.group_sizes:
         return None
     return tuple(tuple(rows[g]) if g in rows else (None,) * n for g in groups)
+
+
+def _own_row(rows: Rows | None, t: TensorPolicy) -> tuple[float | None, ...] | None:
+    """The row of ``t``'s own group size where its group is fixed (None otherwise)."""
+    return None if rows is None or t.group_sizes else tuple(rows[t.group_size])
 
 
 def scale_dtype(model: nn.Module) -> torch.dtype:
@@ -466,18 +494,23 @@ def calibrate(
     layers = []
     for act in tqdm(acts, desc="calibrating", unit="layer", disable=not progress):
         kp, vp = policy.get(act.layer, "key"), policy.get(act.layer, "value")
-        ke, ve, vr, kn, vn = _layer_errors_by_group(act, kp, vp, widths, store, metric)
+        got = _layer_errors_by_group(act, kp, vp, widths, store, metric)
+        vr, kn, vn = got.value_rotated, got.key_normal, got.value_normal
         n = len(widths)
         layers.append(LayerSensitivity(
-            layer=act.layer, key=tuple(ke[kp.group_size]), value=tuple(ve[vp.group_size]),
+            layer=act.layer, key=tuple(got.key[kp.group_size]),
+            value=tuple(got.value[vp.group_size]),
             value_rotated=None if vr is None else tuple(vr[vp.group_size]),
             key_normal=None if kn is None else tuple(kn[kp.group_size]),
             value_normal=None if vn is None else tuple(vn[vp.group_size]),
-            key_groups=_group_table(ke, kp, groups, n),
-            value_groups=_group_table(ve, vp, groups, n),
+            key_meta8=_own_row(got.key_meta8, kp), value_meta8=_own_row(got.value_meta8, vp),
+            key_groups=_group_table(got.key, kp, groups, n),
+            value_groups=_group_table(got.value, vp, groups, n),
             value_rotated_groups=_group_table(vr, vp, groups, n),
             key_normal_groups=_group_table(kn, kp, groups, n),
             value_normal_groups=_group_table(vn, vp, groups, n),
+            key_meta8_groups=_group_table(got.key_meta8, kp, groups, n),
+            value_meta8_groups=_group_table(got.value_meta8, vp, groups, n),
         ))
         act.query = act.key = act.key_pre = act.value = act.out_grad = None  # type: ignore
     cal = Calibration(

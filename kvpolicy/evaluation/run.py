@@ -228,10 +228,12 @@ def evaluate(
                           "layers": list(pol.layers),
                           "key_bits": [pol.get(i, "key").bits for i in pol.layers],
                           "value_bits": [pol.get(i, "value").bits for i in pol.layers]}
-            if pol.budget_unit == "stored":  # the group sizes are allocated too
-                r.settings["key_groups"] = [pol.get(i, "key").group_size for i in pol.layers]
-                r.settings["value_groups"] = [pol.get(i, "value").group_size
-                                              for i in pol.layers]
+            if pol.budget_unit == "stored":  # the group sizes and metadata widths too
+                for kind in ("key", "value"):
+                    r.settings[f"{kind}_groups"] = [pol.get(i, kind).group_size
+                                                    for i in pol.layers]
+                    r.settings[f"{kind}_meta_bits"] = [pol.get(i, kind).stored_meta_bits
+                                                       for i in pol.layers]
         runs.append(r)
         if retrieve and task is not None:
             res.cache = None

@@ -1,7 +1,9 @@
 """The stored-bits rows of ``kvpolicy eval``'s frontier (``--stored-bits``).
 
-A stored-bits budget (``defaults: {stored_bits: 3.0}``) counts codes plus an fp16 scale and
-zero per group, and its allocator chooses each tensor's group size with its width. Each row
+A stored-bits budget (``defaults: {stored_bits: 3.0}``) counts codes plus a scale and a zero
+per group (fp16, or a byte each where ``meta_bits: auto``, the default, chooses 8-bit
+metadata), and its allocator chooses each tensor's group size and metadata width with its
+width. Each row
 is the user's spec with ``bits`` dropped, ``stored_bits`` set and the group size left to
 the allocator; the rows differ only in ``stored_bits``, so one calibration (every width at
 every candidate group) serves them all, as the code-bits budgets share theirs.

@@ -4,7 +4,7 @@
 // KVP_HALF (rotary_dim / 2), KVP_SDT (storage type of scales, zeros and fp tokens),
 // KVP_KLUT/KVP_VLUT (1: a code's value is table[code], Params.klut/vlut; 0: the code itself)
 // and KVP_KM8/KVP_VM8 (1: the keys' / values' scale is a uint8 index into Params.stab and
-// their zero an int8 point p, zero = -p * scale; 0: both in the storage type KVP_SDT).
+// their zero an int8 point p, zero = -p * scale / 4; 0: both in the storage type KVP_SDT).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -110,7 +110,8 @@ constexpr int64_t Dk = KVP_DK, Dv = KVP_DV, Gk = KVP_GK, Gv = KVP_GV;
 constexpr bool KLUT = KVP_KLUT != 0, VLUT = KVP_VLUT != 0;
 constexpr bool KM8 = KVP_KM8 != 0, VM8 = KVP_VM8 != 0;
 
-// n groups' fp32 scale and zero from 8-bit metadata: s = stab[index], zero = -point * s.
+// n groups' fp32 scale and zero from 8-bit metadata: s = stab[index], zero = -point * s / 4
+// (layout.ZERO_STEPS: quarters of the step; dividing by 4 is exact, like the reference's).
 // NOTE: the empty asm (a compiler barrier, no instruction) keeps gcc from seeing through the
 // arrays: with -fassociative-math it folded code * s + (-point * s) into (code - point) * s,
 // which rounds unlike the reference and converted two integers per code (2-bit keys: 34
@@ -120,7 +121,7 @@ inline void meta8(const float* stab, const uint8_t* idx, const int8_t* pt, int64
   for (int64_t i = 0; i < n; ++i) {
     const float sv = stab[idx[i]];
     s[i] = sv;
-    z[i] = -(float)pt[i] * sv;
+    z[i] = -(float)pt[i] * sv * 0.25f;
   }
   asm volatile("" ::: "memory");
 }

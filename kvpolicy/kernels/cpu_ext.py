@@ -14,7 +14,7 @@ value axis "token", bits in {1, 2, 3, 4, 8} each, uniform or normal levels for k
 values each (a normal spec's code is looked up in its level table, passed as fp32),
 16- or 8-bit metadata for keys and values each (``QuantSpec.meta_bits``; 8: a uint8 scale
 index read through :func:`~kvpolicy.kernels.layout.scale_table`, passed as fp32, and an
-int8 zero point, zero ``= -point * scale``), no RoPE or rotate_half / interleaved, with or
+int8 zero point, zero ``= -point * scale / 4``), no RoPE or rotate_half / interleaved, with or
 without logit soft-capping (a run-time field, not a ``-D``: no extra libraries).
 Queries are passed as pre-scaled fp32; 16-bit-metadata scales and zeros and full-precision
 tokens in their storage dtype (fp32, bf16 or fp16), widened inside the kernel; 8-bit

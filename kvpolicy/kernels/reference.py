@@ -30,7 +30,15 @@ import torch
 
 from ..errors import CacheError
 from .contract import Backend, compose_decode
-from .layout import Packed, QuantSpec, RotarySpec, byte_aligned, scale_table, thresholds
+from .layout import (
+    ZERO_STEPS,
+    Packed,
+    QuantSpec,
+    RotarySpec,
+    byte_aligned,
+    scale_table,
+    thresholds,
+)
 
 __all__ = [
     "pack_bits",
@@ -169,12 +177,12 @@ def _encode_meta8(
     lo = groups.amin(dim=-1)
     hi = groups.amax(dim=-1)
     # The step the group needs, widened so that its zero point fits an int8.
-    need = torch.maximum((hi - lo) / top, lo.abs() / 127)
+    need = torch.maximum((hi - lo) / top, lo.abs() / (127 / ZERO_STEPS))
     table = _scale_table(groups.device)
     index = torch.searchsorted(table, need.contiguous()).clamp_(max=255)
     s32 = table[index]
-    point = torch.round(-lo / s32).clamp_(-128, 127)
-    z32 = -point * s32
+    point = torch.round(-lo / s32 * ZERO_STEPS).clamp_(-128, 127)
+    z32 = -point * s32 / ZERO_STEPS
     codes = torch.round((groups - z32.unsqueeze(-1)) / s32.unsqueeze(-1)).clamp_(0, top)
     return codes.to(torch.uint8), index.to(torch.uint8), point.to(torch.int8)
 
@@ -187,11 +195,11 @@ def meta_values(
     scale: torch.Tensor, zero: torch.Tensor, spec: QuantSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 scale and zero of stored metadata: as stored, or for 8-bit metadata
-    ``scale_table()[index]`` and ``-point * scale``."""
+    ``scale_table()[index]`` and ``-point * scale / ZERO_STEPS``."""
     if not spec.meta8:
         return scale.float(), zero.float()
     s32 = _scale_table(scale.device)[scale.long()]
-    return s32, -zero.float() * s32
+    return s32, -zero.float() * s32 / ZERO_STEPS
 
 
 def code_values(codes: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

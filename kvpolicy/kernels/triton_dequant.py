@@ -19,7 +19,7 @@ With 8-bit metadata (``M8``, a constexpr: 16-bit metadata compiles without it) t
 scale is a uint8 index into the 256 fp32 scales at ``stab_ptr``
 (:func:`kvpolicy.kernels.layout.scale_table`, cached by
 :func:`kvpolicy.kernels._triton_util.meta_table`) and the stored zero an int8 zero point
-``p``: ``scale = stab_ptr[index]``, ``zero = -p * scale`` in fp32, as
+``p``: ``scale = stab_ptr[index]``, ``zero = -p * scale / 4`` in fp32, as
 :func:`kvpolicy.kernels.reference.meta_values` (:func:`_meta_values`).
 
 Attending: :func:`query_sets` loads a program's query rows as the channel sets a rotation
@@ -43,14 +43,15 @@ __all__ = [
 @triton.jit
 def _meta_values(index, point, stab_ptr):
     """fp32 scale and zero of 8-bit metadata (``M8``): ``stab_ptr[index]`` for the uint8
-    scale index and ``-point * scale`` for the int8 zero point, as the reference."""
+    scale index and ``-point * scale / 4`` for the int8 zero point (quarter steps,
+    ``layout.ZERO_STEPS``), as the reference."""
     # NOTE: sm_90 static cost (bench/sm90_static.py --meta8, 2-bit keys and values, G=32,
     # fp16): the table gather and the product add 5-20% thread-instructions per key over
     # fp16 metadata (Llama-3-8B shape, 64 keys x 4 warps: 3200 -> 3406; SmolLM2: 1838 ->
     # 2140); one kept config (SmolLM2, 64 keys x 8 warps, 3 stages) spills 16 bytes. Not
     # timed (no GPU when written).
     scale = tl.load(stab_ptr + index.to(tl.int32))  # masked metadata reads index 0
-    return scale, -point.to(tl.float32) * scale
+    return scale, -point.to(tl.float32) * scale * 0.25
 
 
 @triton.jit

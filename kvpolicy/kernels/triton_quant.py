@@ -22,11 +22,12 @@ equal scale and zero the codes are equal.
 
 8-bit metadata (``META8``, a constexpr: 16-bit metadata compiles without it) stores a
 uint8 scale index and an int8 zero point (:mod:`.layout`): the step the group needs,
-``max((max - min) / (2**bits - 1), |min| / 127)``, is looked up in the 256 increasing fp32
+``max((max - min) / (2**bits - 1), |min| / (127 / 4))``, is looked up in the 256 increasing fp32
 scales of :func:`kvpolicy.kernels.layout.scale_table` (a device table) by a branch-free
 binary search, 8 comparisons that give ``torch.searchsorted``'s index exactly (clamped
-to 255, as the reference); the zero point is ``round(-min / scale)`` clamped to int8, and
-the codes are computed against ``scale`` and ``-point * scale``: the same fp32 operations
+to 255, as the reference); the zero point is ``round(4 * -min / scale)`` (quarter steps)
+clamped to int8, and the codes are computed against ``scale`` and ``-point * scale / 4``:
+the same fp32 operations
 as :func:`kvpolicy.kernels.reference.quantize`, so codes, indices and zero points are
 bit-identical.
 
@@ -186,11 +187,15 @@ def _quantize_pack_kernel(
     if META8:
         # The table's first scale at or above the step the group needs (widened so that
         # the zero point fits an int8), the zero point on that grid.
-        need = tl.maximum(scale_st, tl.div_rn(tl.abs(lo), tl.full(lo.shape, 127, tl.float32)))
+        # (Quarter steps, layout.ZERO_STEPS: the bound 127 / 4 and the products by 4 and
+        # 0.25 are exact, as the reference's.)
+        need = tl.maximum(scale_st,
+                          tl.div_rn(tl.abs(lo), tl.full(lo.shape, 31.75, tl.float32)))
         idx = _scale_index(need, stab_ptr)
         s32 = tl.load(stab_ptr + idx)
-        point = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(-lo, s32)), -128.0), 127.0)
-        z32 = -point * s32
+        point = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(-lo, s32) * 4.0), -128.0),
+                           127.0)
+        z32 = -point * s32 * 0.25
         s_off = b * ss_b + h * ss_h + pid_n * ss_n + lanes * ss_l
         tl.store(zero_ptr + s_off, point.to(tl.int32).to(tl.int8), mask=lane_ok)
         tl.store(scale_ptr + s_off, idx.to(tl.uint8), mask=lane_ok)

@@ -60,16 +60,19 @@ def _groups(axis: Axis, group_size: int, candidates: Sequence[int] = ()) -> str:
 
 def _group_candidates(
     setting: str | tuple[int, ...], axis: Axis, head_dim: int, bits: int, pinned: bool,
-    where: str, what: str, meta_bits: int = 16,
+    where: str, what: str, meta_bits: int | str = 16,
 ) -> tuple[int, tuple[int, ...], int | None]:
     """``(group_size, candidates, fallback_from)`` for ``group_size: auto`` or a list under
     a stored-bits budget: the candidates that fit the tensor (any groups tokens; only
     divisors of head_dim group channels; at a width a rule pins, only byte-aligned ones),
     the smallest as the starting size. None fit: for ``auto`` the fallback of a default
     group (``fallback_from`` says from which), for a list an error. With 8-bit metadata
-    ``auto`` halves the candidates, so they cost the same stored bits."""
-    choices = tuple(setting) if setting != "auto" else (
-        tuple(g // 2 for g in GROUP_CHOICES) if meta_bits == 8 else GROUP_CHOICES)
+    ``auto`` halves the candidates, so they cost the same stored bits; with ``meta_bits:
+    auto`` it measures both sets."""
+    halved = tuple(g // 2 for g in GROUP_CHOICES)
+    choices = tuple(setting) if setting != "auto" else {
+        8: halved, "auto": tuple(sorted(set(halved) | set(GROUP_CHOICES)))
+    }.get(meta_bits, GROUP_CHOICES)
     if bits == FULL_PRECISION:  # kept in full precision: no groups to choose
         return choices[0], (), None
     fit = [g for g in choices
@@ -262,6 +265,8 @@ def build_policy(
                     for name, value in rule.settings().items():
                         values[name] = value
                         origins[name] = i
+            if values["meta_bits"] == "auto" and not stored:
+                values["meta_bits"] = 16  # only a stored-bits budget prices metadata
             if values["rotation"] == "auto" and tf.head_dim & (tf.head_dim - 1):
                 values["rotation"] = "none"  # no Hadamard of this size: nothing to choose
             if values["pre_rope"] and not has_rope and tf.rope is not None:

@@ -78,11 +78,18 @@ class LayerSensitivity(Frozen):
     value_normal: tuple[Union[float, None], ...] | None = None
     key_normal_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
     value_normal_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
+    # For ``meta_bits: auto`` under a stored-bits budget: the errors once more with 8-bit
+    # scales and zeros (uniform levels), at the own group (where it is fixed) or per
+    # candidate group.
+    key_meta8: tuple[Union[float, None], ...] | None = None
+    value_meta8: tuple[Union[float, None], ...] | None = None
+    key_meta8_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
+    value_meta8_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
 
 
 # The per-group tables of a LayerSensitivity (None where the tensor's group is fixed).
 GROUP_TABLES = ("key_groups", "value_groups", "value_rotated_groups", "key_normal_groups",
-                "value_normal_groups")
+                "value_normal_groups", "key_meta8_groups", "value_meta8_groups")
 
 
 class Calibration(Frozen):
@@ -123,7 +130,8 @@ class Calibration(Frozen):
             raise invalid("groups", f"groups {list(self.groups)}: positive, increasing")
         for ls in self.layers:
             rows = [ls.key, ls.value] + [r for r in (ls.value_rotated, ls.key_normal,
-                                                      ls.value_normal) if r is not None]
+                                                      ls.value_normal, ls.key_meta8,
+                                                      ls.value_meta8) if r is not None]
             if any(len(row) != len(self.widths) for row in rows):
                 raise invalid(
                     "layers",
@@ -148,16 +156,19 @@ class Calibration(Frozen):
         raise KeyError(f"layer {layer} is not in this calibration")
 
     def errors(self, layer: int, tensor: TensorKind | str, rotated: bool = False,
-               group: int | None = None, normal: bool = False) -> dict[int, float]:
+               group: int | None = None, normal: bool = False, meta8: bool = False
+               ) -> dict[int, float]:
         """``{width: error}`` of one tensor, feasible widths only (``rotated``: the value's
-        errors with the Hadamard rotation; ``normal``: with normal levels; each empty if not
-        measured; ``group``: at that candidate group size, empty if not measured; None: at
-        the policy's own group); KeyError if the layer was not measured."""
+        errors with the Hadamard rotation; ``normal``: with normal levels; ``meta8``: with
+        8-bit scales and zeros; each empty if not measured; ``group``: at that candidate
+        group size, empty if not measured; None: at the policy's own group); KeyError if
+        the layer was not measured."""
         kind = TensorKind(tensor).value
         ls = self._layer(layer)
-        if rotated and (normal or kind == "key"):
-            return {}  # not measured: keys are not rotated, rotated values are uniform
-        name = kind + ("_rotated" if rotated else "") + ("_normal" if normal else "")
+        if (rotated and (normal or kind == "key")) or (meta8 and (rotated or normal)):
+            return {}  # not measured: keys are not rotated, 8-bit metadata is uniform only
+        name = (kind + ("_rotated" if rotated else "") + ("_normal" if normal else "")
+                + ("_meta8" if meta8 else ""))
         if group is not None:
             table = getattr(ls, f"{name}_groups")
             if table is None or group not in self.groups:
@@ -207,8 +218,9 @@ class TensorPolicy(Frozen):
     # rules.levels_at); ``code_levels`` is what the cache uses at ``bits``.
     levels: Literal["uniform", "normal", "auto"] = "uniform"
     # Width of the stored scale and zero (kernels.layout): 16, the cache dtype; 8, a byte
-    # each (a scale index and a zero point; uniform levels).
-    meta_bits: Literal[16, 8] = 16
+    # each (a scale index and a zero point; uniform levels); "auto" (under a stored-bits
+    # budget, before allocation): measured both ways, the allocator chooses.
+    meta_bits: Literal[16, 8, "auto"] = 16
     reason: StrictStr
 
     @field_validator("bits")
@@ -295,10 +307,16 @@ class TensorPolicy(Frozen):
         metadata)."""
         return "uniform" if self.meta_bits == 8 else levels_at(self.levels, self.bits)
 
+    @property
+    def stored_meta_bits(self) -> int:
+        """The width the cache stores scale and zero in: 8, or 16 (also for an unallocated
+        ``auto``)."""
+        return 8 if self.meta_bits == 8 else 16
+
     def quant_spec(self) -> QuantSpec:
         """The kernels' :class:`~kvpolicy.kernels.layout.QuantSpec` of this tensor."""
         return QuantSpec(self.bits, self.group_size, self.axis.value,  # type: ignore[arg-type]
-                         self.code_levels, self.meta_bits)
+                         self.code_levels, self.stored_meta_bits)
 
     @property
     def pinned_full_precision(self) -> bool:

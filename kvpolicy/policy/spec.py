@@ -139,8 +139,9 @@ class Defaults(Frozen):
     levels: LevelsSetting = "auto"
     # Width of each group's stored scale and zero (kernels.layout): 16 (the cache dtype) or
     # 8 (a scale index and a zero point, uniform levels): at 2 bits and groups of 16,
-    # 3.0 stored bits per element, what groups of 32 cost at 16.
-    meta_bits: Literal[16, 8] = 16
+    # 3.0 stored bits per element, what groups of 32 cost at 16. "auto": a stored-bits
+    # budget measures both and chooses per tensor; 16 without one.
+    meta_bits: Literal[16, 8, "auto"] = "auto"
 
     @field_validator("bits")
     @classmethod
@@ -207,7 +208,7 @@ class OverrideRule(Frozen):
     sinks: StrictInt | None = Field(default=None, ge=0)
     rotation: Literal["none", "hadamard", "auto"] | None = None
     levels: LevelsSetting | None = None
-    meta_bits: Literal[16, 8] | None = None
+    meta_bits: Literal[16, 8, "auto"] | None = None
 
     @field_validator("layers", mode="before")
     @classmethod

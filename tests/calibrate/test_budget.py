@@ -155,12 +155,13 @@ def test_packed_counts_follow_the_cache(sinks, residual, chunk):
 
 
 @pytest.mark.parametrize("tensor, key_bits, levels", [
-    ("key", 2, "uniform"), ("key", 2, "normal"), ("value", 8, "uniform"),
-    ("value", 16, "uniform"), ("value", 16, "normal")])
+    ("key", 2, "uniform"), ("key", 2, "normal"), ("key", 2, "meta8"), ("value", 8, "uniform"),
+    ("value", 8, "meta8"), ("value", 16, "uniform"), ("value", 16, "normal")])
 def test_calibration_error_is_what_the_decode_cache_gives(tensor, key_bits, levels):
     """The calibration's emulation (which tokens a query reads quantized, pre-RoPE keys
     rotated after dequantization) against the real cache, decoding one token at a time,
-    for both rows levels: auto measures (uniform and normal levels).
+    for every row levels: auto and meta_bits: auto measure (uniform and normal levels,
+    8-bit metadata).
 
     Values beside keys at 8 bits pack in the keys' chunks of 16 tokens (the 8-bit keys are
     nearly exact); beside keys a rule pins at 16 bits, token by token."""
@@ -169,22 +170,23 @@ def test_calibration_error_is_what_the_decode_cache_gives(tensor, key_bits, leve
     act = capture_activations(model, calibration_ids(), loss_grad=True)[1]
     kp, vp = base.get(1, "key"), base.get(1, "value")
     assert kp.levels == vp.levels == "auto"
+    kp, vp = (t.model_copy(update={"meta_bits": "auto"}) for t in (kp, vp))
     if key_bits == 16:
         kp = kp.model_copy(update={"bits": 16, "bits_from": "rule"})
     expected = {}
     for metric in budget.CALIBRATION_METRICS:
-        ke, ve, _, kn, vn = budget._layer_errors_by_group(act, kp, vp, (2,), torch.float32,
-                                                          metric)
-        if levels == "normal":
-            ke, ve = kn, vn
+        got = budget._layer_errors_by_group(act, kp, vp, (2,), torch.float32, metric)
+        ke, ve = {"uniform": (got.key, got.value), "normal": (got.key_normal, got.value_normal),
+                  "meta8": (got.key_meta8, got.value_meta8)}[levels]
         expected[metric] = ke[kp.group_size][0] if tensor == "key" else ve[vp.group_size][0]
 
     rope, positions = act.rotary()
     value_bits = 16 if tensor == "key" else 2  # the other tensor exact or nearly
-    key_levels = levels if tensor == "key" else "uniform"  # the other tensor: (near) exact
-    value_levels = levels if tensor == "value" else "uniform"
-    layer = PackedKVLayer(QuantSpec(key_bits, 16, "channel", key_levels),
-                          QuantSpec(value_bits, 16, "token", value_levels),
+    lv, meta = ("uniform", 8) if levels == "meta8" else (levels, 16)
+    key_levels, key_meta = (lv, meta) if tensor == "key" else ("uniform", 16)  # (near) exact
+    value_levels, value_meta = (lv, meta) if tensor == "value" else ("uniform", 16)
+    layer = PackedKVLayer(QuantSpec(key_bits, 16, "channel", key_levels, key_meta),
+                          QuantSpec(value_bits, 16, "token", value_levels, value_meta),
                           residual=16, sinks=2, rope=rope)
     assert layer.chunk == (1 if key_bits == 16 else 16)
     t = act.query.shape[2]

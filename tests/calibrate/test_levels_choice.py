@@ -103,7 +103,8 @@ def test_fixed_levels_are_measured_as_given_and_not_chosen(ids):
 
 
 def test_a_stored_bits_budget_chooses_levels_per_group_and_the_cache_runs_it(ids):
-    spec = {"defaults": {"stored_bits": 3.0, "residual": 16, "sinks": 2}}
+    # fp16 metadata: 8-bit metadata has uniform levels only (test_meta8_choice.py).
+    spec = {"defaults": {"stored_bits": 3.0, "residual": 16, "sinks": 2, "meta_bits": 16}}
     model = tiny_model("llama")
     policy = kvpolicy.derive_policy(model, policy=spec, calibration=ids, progress=False)
     cal = policy.calibration

@@ -24,7 +24,9 @@ SMALL = {"residual": 16, "sinks": 2}
 
 
 def stored_spec(stored=3.0, **defaults):
-    return {"defaults": {"stored_bits": stored, **SMALL, **defaults}}
+    # fp16 metadata: these tests are about widths and groups (8-bit metadata as a choice:
+    # test_meta8_choice.py).
+    return {"defaults": {"stored_bits": stored, **SMALL, "meta_bits": 16, **defaults}}
 
 
 def calibration_ids(seed=1, t=160):

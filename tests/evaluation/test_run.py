@@ -110,8 +110,9 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
     for b in (2, 3, 4):  # the uniform points are the bits ablations, steady state
         assert report.run(f"{b} bits").bytes_per_token == elems * (b / 8 + 4 / 16)
     # Stored-bits budgets: widths and groups (of QUICK_STORED_GROUPS: 80 tokens pack
-    # none of 64 or 128) allocated from one calibration; codes + an fp16 scale and zero
-    # per group within the budget, by the policy's count and on the cache each run held.
+    # none of 64 or 128) and metadata widths allocated from one calibration; codes + a
+    # scale and zero per group within the budget, by the policy's count and on the cache
+    # each run held.
     stored = [r for r in report.runs if r.group == "stored"]
     assert [r.name for r in stored] == ["stored budget 2.5", "stored budget 3"]
     assert report.frontier["stored"]["budgets"] == list(STORED_BUDGETS) == [2.5, 3.0]
@@ -122,8 +123,11 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
         groups = r.settings["key_groups"] + r.settings["value_groups"]
         assert set(groups) <= set(QUICK_STORED_GROUPS) and set(widths) <= {1, 2, 3, 4, 8}
         assert r.avg_bits == sum(widths) / 4
-        assert r.avg_stored_bits == pytest.approx(
-            sum(w + 32 / g for w, g in zip(widths, groups, strict=True)) / 4, rel=1e-12)
+        metas = r.settings["key_meta_bits"] + r.settings["value_meta_bits"]
+        assert set(metas) <= {8, 16}  # meta_bits: auto, the default, chooses per tensor
+        assert r.avg_stored_bits == pytest.approx(sum(
+            w + 2 * m / g for w, g, m in zip(widths, groups, metas, strict=True)) / 4,
+            rel=1e-12)
         assert r.avg_stored_bits <= b + 1e-9
         assert r.bytes_per_token == pytest.approx(elems * r.avg_stored_bits / 8, rel=1e-12)
         assert r.measured_bytes_per_token == pytest.approx(r.bytes_per_token, rel=1e-9)

@@ -9,7 +9,7 @@ points widened to fit an int8 and rounded half to even.
 
 Decode: :func:`triton_decode.decode_attention` and
 :func:`triton_attention.packed_attention_partial` read a scale index and a zero point,
-``scale = table[index]``, ``zero = -point * scale``; checked against the reference with
+``scale = table[index]``, ``zero = -point * scale / 4``; checked against the reference with
 8-bit keys only, values only and both, on the byte-at-a-time paths and the gathers, with
 the decode tests' cases and tolerances. 16-bit metadata keeps the kernels it had
 (``K_M8``/``V_M8`` False, no table; the sm_90 PTX of those variants is unchanged).
@@ -89,12 +89,12 @@ def test_quantize_table_ends_exact_steps_and_ties():
     pad = [0.0] * 6
     rows = [
         ([0.0] * 8, 0, 0),  # constant zero: the smallest scale, point 0
-        ([1.0] * 8, 73, -117),  # constant: widened until |min| <= 127 * scale
+        ([1.0] * 8, 89, -117),  # constant: widened until |min| <= 127 / 4 * scale
         ([0.0, t[140].item()] + pad, 140, 0),  # the step is an entry: that entry
         ([0.0, up] + pad, 141, 0),  # just above: the next one
         ([0.0, down] + pad, 140, 0),  # just below: still that one
         ([0.0, 1e-9] + pad, 0, 0),  # below the table: index 0
-        ([-1e6, 1e6] + pad, 255, 17),  # beyond it: 255
+        ([-1e6, 1e6] + pad, 255, 67),  # beyond it: 255
         ([-1e7] * 8, 255, 127),  # and the zero point clamped to an int8
     ]
     x = torch.tensor([r[0] for r in rows]).reshape(1, 1, len(rows), 8).to(DEVICE)
@@ -103,9 +103,9 @@ def test_quantize_table_ends_exact_steps_and_ties():
     _assert_same(got, ref.quantize(x, spec))
     assert got.scale.flatten().tolist() == [r[1] for r in rows]
     assert got.zero.flatten().tolist() == [r[2] for r in rows]
-    # Zero points on exact halves round to even: scale 1 (index 128) at 2 bits,
-    # min -2.5 -> point 2 (not 3), min -1.5 -> point 2.
-    x = torch.tensor([[-2.5, 0.5, 0.0, -1.0], [-1.5, 1.5, 0.0, 1.0]]).reshape(1, 1, 2, 4)
+    # Zero points (quarter steps) on exact halves round to even: scale 1 (index 128) at 2
+    # bits, min -0.625 -> point 2.5 -> 2 (not 3), min -0.375 -> 1.5 -> 2.
+    x = torch.tensor([[-0.625, 2.375, 0.0, 1.0], [-0.375, 2.625, 0.0, 1.0]]).reshape(1, 1, 2, 4)
     spec = _m8(2, 4, "token")
     got = _tq().quantize(x.to(DEVICE), spec)
     _assert_same(got, ref.quantize(x.to(DEVICE), spec))
@@ -141,7 +141,7 @@ def test_decode_gathers_flipped_axes_and_odd_head_dim():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_decode_half_precision(dtype):
-    # fp16 queries dequantize in fp16 (the table scale and -point * scale round once);
+    # fp16 queries dequantize in fp16 (the table scale and -point * scale / 4 round once);
     # bf16 ones in fp32.
     k_spec, v_spec = _specs("both", 2, 4)
     a = _case(dtype=dtype, k_spec=k_spec, v_spec=v_spec,

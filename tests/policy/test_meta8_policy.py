@@ -54,9 +54,21 @@ def test_meta_bits_change_the_calibration_key():
 
 
 def test_a_stored_budget_with_8_bit_metadata_chooses_among_halved_groups():
-    spec = {"defaults": {"stored_bits": 3.0, "meta_bits": 8}}
-    assert build(spec).tensors[0].group_sizes == (16, 32, 64)
-    assert build({"defaults": {"stored_bits": 3.0}}).tensors[0].group_sizes == (32, 64, 128)
+    def groups(**defaults):
+        return build({"defaults": {"stored_bits": 3.0, **defaults}}).tensors[0].group_sizes
+
+    assert groups(meta_bits=8) == (16, 32, 64)
+    assert groups(meta_bits=16) == (32, 64, 128)
+    # auto (the default) measures both widths of metadata, at both sets of groups.
+    assert groups() == (16, 32, 64, 128)
+
+
+def test_auto_is_16_bits_without_a_stored_budget():
+    assert {t.meta_bits for t in build().tensors} == {16}
+    assert {t.meta_bits for t in build({"defaults": {"bits": 2.5}}).tensors} == {16}
+    stored = build({"defaults": {"stored_bits": 3.0}})
+    assert {t.meta_bits for t in stored.tensors} == {"auto"}
+    assert stored.tensors[0].quant_spec().meta_bits == 16
 
 
 def test_the_cache_stores_one_byte_scales_and_zeros_and_decodes_close_to_fp16_metadata():
