@@ -9,11 +9,13 @@ in one run with their repetitions interleaved; the table shows medians. Interlea
 means every call starts with caches disturbed by the other methods, as a decode step does
 inside a model: the packed step measured ~0.5 ms faster at 8K when timed alone.
 The machine is shared: the header prints the load average, read the ratios with it.
-``--levels uniform normal`` times one packed cache per set of levels (keys and values
-both), side by side in the same interleaved run.
+``--levels uniform normal meta8`` times one packed cache per entry (keys and values
+both), side by side in the same interleaved run: ``meta8`` is uniform levels in groups of
+16 with 8-bit scales and zeros (``meta_bits: 8``), the same stored bits as groups of 32
+with fp16 ones.
 
     .venv/bin/python bench/cpu_attention.py [--threads 2] [--tokens 1024 8192]
-        [--levels uniform normal]
+        [--levels uniform normal meta8]
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ def packed_name(bits: int, levels: str, all_levels: list[str]) -> str:
     return f"packed {bits}-bit" if all_levels == ["uniform"] else f"{levels} {bits}-bit"
 
 
+def specs(bits: int, variant: str) -> tuple[QuantSpec, QuantSpec]:
+    """Key and value spec of one ``--levels`` entry (``meta8``: groups of 16, 8-bit
+    metadata)."""
+    if variant == "meta8":
+        return (QuantSpec(bits, 16, "channel", "uniform", 8),
+                QuantSpec(bits, 16, "token", "uniform", 8))
+    return QuantSpec(bits, 32, "channel", variant), QuantSpec(bits, 32, "token", variant)
+
+
 def methods(
     tokens: int, rope: RotarySpec, bits: int, levels: list[str]
 ) -> dict[str, Callable[[], object]]:
@@ -55,10 +66,8 @@ def methods(
     q = torch.randn(1, HQ, 1, D, generator=g)
     fns: dict[str, Callable[[], object]] = {}
     for lv in levels:
-        layer = PackedKVLayer(
-            QuantSpec(bits, 32, "channel", lv), QuantSpec(bits, 32, "token", lv),
-            residual=128, sinks=4, rope=rope, backend="torch",
-        )
+        layer = PackedKVLayer(*specs(bits, lv), residual=128, sinks=4, rope=rope,
+                              backend="torch")
         layer.append(k, v)
         fns[packed_name(bits, lv, levels)] = lambda layer=layer: layer.attend(q)
     kb, vb, qb = k.bfloat16(), v.bfloat16(), q.bfloat16()
@@ -94,13 +103,16 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=2)
     parser.add_argument("--budget", type=float, default=3.0, help="seconds per size")
     parser.add_argument("--levels", nargs="+", default=["uniform"],
-                        choices=("uniform", "normal"), help="one packed cache per entry")
+                        choices=("uniform", "normal", "meta8"),
+                        help="one packed cache per entry")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rope = rotary(max(args.tokens) + 1)
     native = all(
-        cpu_ext.load(args.bits, args.bits, 32, 32, D, D, D // 2, 0, lut, lut) is not None
-        for lut in {int(lv == "normal") for lv in args.levels}
+        cpu_ext.load(args.bits, args.bits, k.group_size, v.group_size, D, D, D // 2, 0,
+                     int(not k.uniform), int(not v.uniform), int(k.meta8),
+                     int(v.meta8)) is not None
+        for k, v in (specs(args.bits, lv) for lv in args.levels)
     )
     print(f"torch {torch.__version__}, {args.threads} threads, load average "
           f"{os.getloadavg()[0]:.2f}, C++ kernel: {'yes' if native else 'no (eager path)'}")

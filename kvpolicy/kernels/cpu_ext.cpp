@@ -126,6 +126,20 @@ inline void meta8(const float* stab, const uint8_t* idx, const int8_t* pt, int64
   asm volatile("" ::: "memory");
 }
 
+// The fp32 scales and zeros of n groups, the metadata starting `so` / `zo` elements into
+// `s` / `z`: 8-bit (meta8) or in the storage type, widened.
+template <bool M8>
+inline void group_meta(const float* stab, const void* s, int64_t so, const void* z,
+                       int64_t zo, int64_t n, float* sc, float* zc) {
+  if constexpr (M8) {
+    meta8(stab, (const uint8_t*)s + so, (const int8_t*)z + zo, n, sc, zc);
+  } else {
+    const SType* ss = (const SType*)s + so;
+    const SType* zs = (const SType*)z + zo;
+    for (int64_t i = 0; i < n; ++i) { sc[i] = to_f32(ss[i]); zc[i] = to_f32(zs[i]); }
+  }
+}
+
 // A level table padded to 16 entries (the most 4-bit codes need), so that vector loads of
 // it never read past the caller's 2**bits floats.
 struct Levels {
@@ -270,14 +284,8 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
         const int64_t grp = g0 / Gk;
         const uint8_t* codes = P.kc + b * P.kc_sb + h * P.kc_sh + grp * kbytes * Dk;
         alignas(64) float sc[Dk], zc[Dk];
-        if constexpr (KM8) {
-          meta8(P.stab, (const uint8_t*)P.ks + b * P.ks_sb + h * P.ks_sh + grp * Dk,
-                (const int8_t*)P.kz + b * P.kz_sb + h * P.kz_sh + grp * Dk, Dk, sc, zc);
-        } else {
-          const SType* scs = (const SType*)P.ks + b * P.ks_sb + h * P.ks_sh + grp * Dk;
-          const SType* zcs = (const SType*)P.kz + b * P.kz_sb + h * P.kz_sh + grp * Dk;
-          for (int64_t d = 0; d < Dk; ++d) { sc[d] = to_f32(scs[d]); zc[d] = to_f32(zcs[d]); }
-        }
+        group_meta<KM8>(P.stab, P.ks, b * P.ks_sb + h * P.ks_sh + grp * Dk, P.kz,
+                        b * P.kz_sb + h * P.kz_sh + grp * Dk, Dk, sc, zc);
         for (int u = 0; u < Gk / KU::per; ++u) {
           const uint8_t* row = codes + (int64_t)u * KU::bytes * Dk;
           for (int64_t d = 0; d < Dk; ++d) {
@@ -381,14 +389,8 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
         }
         const uint8_t* row = P.vc + b * P.vc_sb + h * P.vc_sh + t * vbytes;
         float stt[ngv], ztt[ngv];
-        if constexpr (VM8) {
-          meta8(P.stab, (const uint8_t*)P.vs + b * P.vs_sb + h * P.vs_sh + t * ngv,
-                (const int8_t*)P.vz + b * P.vz_sb + h * P.vz_sh + t * ngv, ngv, stt, ztt);
-        } else {
-          const SType* sts = (const SType*)P.vs + b * P.vs_sb + h * P.vs_sh + t * ngv;
-          const SType* zts = (const SType*)P.vz + b * P.vz_sb + h * P.vz_sh + t * ngv;
-          for (int64_t g = 0; g < ngv; ++g) { stt[g] = to_f32(sts[g]); ztt[g] = to_f32(zts[g]); }
-        }
+        group_meta<VM8>(P.stab, P.vs, b * P.vs_sb + h * P.vs_sh + t * ngv, P.vz,
+                        b * P.vz_sb + h * P.vz_sh + t * ngv, ngv, stt, ztt);
 #if defined(__AVX2__) && defined(__FMA__)
         if constexpr (Gv % 8 == 0 && VB <= 4) {
           // NOTE: 8 codes per step: broadcast their bits, per-lane shift (vpsrlvd), mask,

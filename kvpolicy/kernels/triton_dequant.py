@@ -41,6 +41,19 @@ __all__ = [
 
 
 @triton.jit
+def _load_meta(s_ptr, z_ptr, off, ok, stab_ptr, M8: tl.constexpr):
+    """fp32-or-stored scale and zero at ``off`` where ``ok``: 8-bit metadata through
+    :func:`_meta_values` (``M8``), else as stored."""
+    if M8:
+        scale, zero = _meta_values(tl.load(s_ptr + off, mask=ok, other=0),
+                                   tl.load(z_ptr + off, mask=ok, other=0), stab_ptr)
+    else:
+        scale = tl.load(s_ptr + off, mask=ok, other=0.0)
+        zero = tl.load(z_ptr + off, mask=ok, other=0.0)
+    return scale, zero
+
+
+@triton.jit
 def _meta_values(index, point, stab_ptr):
     """fp32 scale and zero of 8-bit metadata (``M8``): ``stab_ptr[index]`` for the uint8
     scale index and ``-point * scale / 4`` for the int8 zero point (quarter steps,
@@ -182,13 +195,8 @@ def _dequant_channel_groups(
     codes = (byts[:, :, None, :] >> sh[None, None, :, None]) & ((1 << BITS) - 1)
     codes = tl.reshape(codes, [NGT, GROUP, ch.shape[0]])  # token = byte * PER + k
     s_off = g[:, None] * ss_0 + ch[None, :] * ss_1
-    s_ok = g_ok[:, None] & ch_ok[None, :]
-    if M8:
-        scale, zero = _meta_values(tl.load(s_ptr + s_off, mask=s_ok, other=0),
-                                   tl.load(z_ptr + s_off, mask=s_ok, other=0), stab_ptr)
-    else:
-        scale = tl.load(s_ptr + s_off, mask=s_ok, other=0.0)
-        zero = tl.load(z_ptr + s_off, mask=s_ok, other=0.0)
+    scale, zero = _load_meta(s_ptr, z_ptr, s_off, g_ok[:, None] & ch_ok[None, :], stab_ptr,
+                             M8)
     x = _dequant(codes, scale[:, None, :], zero[:, None, :], lut_ptr, F16, LUT)
     return tl.reshape(x, [BLOCK_N, ch.shape[0]])
 
@@ -225,13 +233,8 @@ def dequant_token_rows(
     codes = (byts[:, :, :, None] >> sh[None, None, None, :]) & ((1 << BITS) - 1)
     codes = tl.reshape(codes, [tok.shape[0], NG, GROUP])  # channel = g*G + byte*PER + k
     s_off = tok[:, None] * ss_0 + jg[None, :] * ss_1
-    s_ok = tok_ok[:, None] & (jg[None, :] >= 0)
-    if M8:
-        scale, zero = _meta_values(tl.load(s_ptr + s_off, mask=s_ok, other=0),
-                                   tl.load(z_ptr + s_off, mask=s_ok, other=0), stab_ptr)
-    else:
-        scale = tl.load(s_ptr + s_off, mask=s_ok, other=0.0)
-        zero = tl.load(z_ptr + s_off, mask=s_ok, other=0.0)
+    scale, zero = _load_meta(s_ptr, z_ptr, s_off, tok_ok[:, None] & (jg[None, :] >= 0),
+                             stab_ptr, M8)
     x = _dequant(codes, scale[:, :, None], zero[:, :, None], lut_ptr, F16, LUT)
     return tl.reshape(x, [tok.shape[0], D])
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_triton_decode import TOL, _call, _case, _check, _Launches, _rope
+from test_triton_levels import _ta, _td, _tq
 from test_triton_quant import _assert_same, _data
 
 from kvpolicy.errors import CacheError
@@ -31,24 +32,6 @@ pytestmark = pytest.mark.triton
 
 DEVICE = "cpu" if interpreting() else "cuda"
 TABLE = scale_table()
-
-
-def _tq():
-    from kvpolicy.kernels import triton_quant  # after conftest set TRITON_INTERPRET
-
-    return triton_quant
-
-
-def _td():
-    from kvpolicy.kernels import triton_decode
-
-    return triton_decode
-
-
-def _ta():
-    from kvpolicy.kernels import triton_attention
-
-    return triton_attention
 
 
 def _m8(bits: int, g: int, axis: str) -> QuantSpec:
