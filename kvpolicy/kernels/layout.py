@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from functools import cache
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from ..errors import CacheError
@@ -146,9 +147,11 @@ _SCALE_STEPS, _SCALE_BIAS = 8, 128
 ZERO_STEPS = 4
 
 
+@cache
 def scale_table() -> tuple[float, ...]:
     """The 256 scales an 8-bit scale index stands for, ``2**((i - 128) / 8)`` rounded to
-    fp32, increasing: every backend reads a scale from this one table, so all agree."""
+    fp32, increasing: every backend reads a scale from this one table, so all agree.
+    Computed once (the torch backend reads it on every pack and unpack)."""
     return tuple(
         struct.unpack("f", struct.pack("f", 2.0 ** ((i - _SCALE_BIAS) / _SCALE_STEPS)))[0]
         for i in range(256)
