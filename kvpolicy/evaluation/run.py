@@ -58,8 +58,9 @@ FRONTIER_BUDGETS: tuple[float, ...] = (2.25, 2.5, 3.0)
 # The budget of the retrieval rows (one of FRONTIER_BUDGETS: its run is reused).
 RETRIEVAL_BUDGET = 2.5
 # Ablations that also run the retrieval check: normal levels on the keys, where perplexity
-# and KL disagree (kvpolicy.policy.rules.levels_at).
-RETRIEVAL_ABLATIONS = ("normal levels, keys",)
+# and KL disagree (kvpolicy.policy.rules.levels_at), and the fp16 metadata that the 2-bit
+# default replaced.
+RETRIEVAL_ABLATIONS = ("normal levels, keys", "fp16 metadata, groups of 32")
 # Default passage length of the retrieval check; ``quick`` uses QUICK_RETRIEVAL_TOKENS.
 RETRIEVAL_TOKENS = 1024
 QUICK_RETRIEVAL_TOKENS = 48
@@ -79,6 +80,9 @@ def ablations(bits: int | float) -> list[tuple[str, str, dict[str, Any]]]:
          {"overrides": [{**key, "axis": "token"}, {**value, "axis": "channel"}]}),
         ("keys post-RoPE", "rope", {"overrides": [{**key, "pre_rope": False}]}),
         ("values rotated (Hadamard)", "rotation", {"defaults": {"rotation": "hadamard"}}),
+        # What the 2-bit default's 8-bit metadata in groups of 16 replaced, at the same
+        # stored bits (kvpolicy.policy.rules.META8_WIDTHS).
+        ("fp16 metadata, groups of 32", "metadata", {"defaults": {"meta_bits": 16}}),
         ("normal levels, keys", "levels", {"overrides": [{**key, "levels": "normal"}]}),
         ("normal levels, keys and values", "levels", {"defaults": {"levels": "normal"}}),
         ("residual 0", "residual", {"defaults": {"residual": 0}}),

@@ -27,6 +27,8 @@ from .rules import (
     byte_aligned,
     fallback_group_size,
     join_or,
+    metadata_at,
+    stored_bits,
     token_group_sizes,
 )
 from .schema import ModelPolicy, TensorPolicy
@@ -122,6 +124,7 @@ def _reason(
     derived_pre_rope: bool,
     defaults: Defaults,
     fallback_from: int | None = None,
+    meta_from: int | None = None,
 ) -> str:
     op = _CONSUMER[kind]
     summed = "channels" if facts.contracted is Contracted.CHANNEL else "tokens"
@@ -174,6 +177,14 @@ def _reason(
         parts.append(
             "scale and zero in 8 bits each (a scale index and a zero point on the grid), "
             "half the metadata of the cache dtype"
+        )
+    if meta_from is not None:
+        bits = values["bits"]
+        parts.append(
+            f"meta_bits auto at {bits} bits: groups of {meta_from // 2} with 8-bit metadata "
+            f"store {stored_bits(bits, meta_from // 2, 8):g} bits per element, as groups of "
+            f"{meta_from} with fp16 metadata do, and measured closer to full precision "
+            "(docs/design.md §2)"
         )
     if fallback_from is not None:
         parts.append(
@@ -265,8 +276,17 @@ def build_policy(
                     for name, value in rule.settings().items():
                         values[name] = value
                         origins[name] = i
+            default_group = (origins["group_size"] == _DEFAULTS
+                             and "group_size" not in d.model_fields_set)
+            meta_from = None
             if values["meta_bits"] == "auto" and not stored:
-                values["meta_bits"] = 16  # only a stored-bits budget prices metadata
+                # Only a stored-bits budget prices metadata; at a fixed width the measured
+                # default (rules.META8_WIDTHS), one width for every tensor of a code budget.
+                values["meta_bits"] = 16 if spec.budget is not None else metadata_at(
+                    "auto", values["bits"], values["levels"], default_group)
+                if values["meta_bits"] == 8:
+                    meta_from = values["group_size"]
+                    values["group_size"] //= 2
             if values["rotation"] == "auto" and tf.head_dim & (tf.head_dim - 1):
                 values["rotation"] = "none"  # no Hadamard of this size: nothing to choose
             if values["pre_rope"] and not has_rope and tf.rope is not None:
@@ -293,8 +313,7 @@ def build_policy(
             if (
                 values["axis"] is Axis.TOKEN
                 and values["bits"] < FULL_PRECISION
-                and origins["group_size"] == _DEFAULTS
-                and "group_size" not in d.model_fields_set
+                and default_group
                 and tf.head_dim % values["group_size"]
             ):
                 # Only kvpolicy's own default shrinks; one the user wrote stays an error.
@@ -328,7 +347,8 @@ def build_policy(
                     derived_pre_rope=has_rope,
                     overridden=overridden,
                     reason=_reason(
-                        kind, tf, values, origins, derived_axis, has_rope, d, fallback_from
+                        kind, tf, values, origins, derived_axis, has_rope, d, fallback_from,
+                        meta_from,
                     ),
                 )
             except ValidationError as exc:

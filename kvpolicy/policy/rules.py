@@ -77,6 +77,28 @@ class Frozen(BaseModel):
 # fixed width keeps uniform levels; normal values were worse everywhere (1.267x).
 
 
+# meta_bits: auto at a fixed width (no budget): the widths at which kvpolicy stores 8-bit
+# scales and zeros in groups of half its default size, so that the stored bits stay what
+# groups of the default size cost in fp16 (2 bits: 3.0 per element either way). NOTE:
+# SmolLM2 at 2 bits, groups of 16 with 8-bit metadata against groups of 32 with fp16:
+# KL to fp 0.081 against 0.104 (4 pydoc segments, 768 + 128), 0.056 against 0.079
+# (typing.py), 0.103 against 0.166 (3,072 + 256); retrieval top-1 0.869x fp against
+# 0.816x and 0.862x against 0.823x; perplexity 1.060x against 1.055x, 1.027x against
+# 1.093x, 1.102x against 1.121x. Not measured at other widths, so they keep fp16.
+META8_WIDTHS: frozenset[int] = frozenset({2})
+
+
+def metadata_at(setting: str | int, bits: int, levels: str, default_group: bool) -> int:
+    """The metadata width (16 or 8) a tensor at fixed width ``bits`` stores under the
+    setting ``meta_bits`` (16, 8 or auto, outside a budget). ``auto`` is 8 at
+    ``META8_WIDTHS`` with uniform levels and kvpolicy's default group size
+    (``default_group``: none was written), which then halves; 16 otherwise."""
+    if setting != "auto":
+        return int(setting)
+    uniform = levels_at(levels, bits) == "uniform"
+    return 8 if bits in META8_WIDTHS and uniform and default_group else 16
+
+
 def levels_at(setting: str, bits: int) -> Literal["uniform", "normal"]:
     """The levels a tensor uses at ``bits`` under the setting ``setting`` (uniform, normal
     or auto: uniform unless a budget chose). A width without a normal table (8, 16 bits) is

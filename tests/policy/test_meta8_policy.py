@@ -10,10 +10,27 @@ from kvpolicy.errors import PolicyError
 from kvpolicy.kernels.layout import QuantSpec
 
 
-def test_meta_bits_default_is_the_cache_dtype():
+def test_meta_bits_default_is_8_bits_in_groups_of_16_at_2_bits_only():
     policy = build()
-    assert {t.meta_bits for t in policy.tensors} == {16}
-    assert policy.tensors[0].quant_spec() == QuantSpec(2, 32, "channel", "uniform", 16)
+    assert {t.meta_bits for t in policy.tensors} == {8}
+    assert policy.tensors[0].quant_spec() == QuantSpec(2, 16, "channel", "uniform", 8)
+    assert policy.avg_stored_bits() == pytest.approx(3.0)
+    # Other widths, a written group size, normal levels, fp16 pinned: the cache dtype.
+    for spec in ({"defaults": {"bits": 3}}, {"defaults": {"bits": 4}},
+                 {"defaults": {"group_size": 32}}, {"defaults": {"levels": "normal"}},
+                 {"defaults": {"meta_bits": 16}}, "kivi-2"):
+        tensors = build(spec).tensors
+        assert {t.meta_bits for t in tensors} == {16}, spec
+        assert {t.group_size for t in tensors} == {32}, spec
+    # A rule's width decides per tensor: 2 bits under a 4-bit default takes 8-bit metadata
+    # and groups of 16, a 4-bit rule under the 2-bit default fp16 metadata and groups of 32.
+    mixed = build({"defaults": {"bits": 4},
+                   "overrides": [{"layers": 0, "tensor": "key", "bits": 2}]})
+    assert (mixed.get(0, "key").meta_bits, mixed.get(0, "key").group_size) == (8, 16)
+    assert (mixed.get(0, "value").meta_bits, mixed.get(0, "value").group_size) == (16, 32)
+    mixed = build({"overrides": [{"layers": 0, "tensor": "key", "bits": 4}]})
+    assert (mixed.get(0, "key").meta_bits, mixed.get(0, "key").group_size) == (16, 32)
+    assert (mixed.get(1, "key").meta_bits, mixed.get(1, "key").group_size) == (8, 16)
 
 
 def test_meta_bits_8_halves_the_metadata_in_spec_bytes_and_table():
@@ -23,7 +40,8 @@ def test_meta_bits_8_halves_the_metadata_in_spec_bytes_and_table():
     # 2-bit codes plus a one-byte scale and zero per group of 16: 3.0 stored bits, what
     # groups of 32 cost with fp16 metadata.
     assert key.stored_bits() == pytest.approx(3.0)
-    assert policy.avg_stored_bits() == pytest.approx(build().avg_stored_bits())
+    assert policy.avg_stored_bits() == pytest.approx(
+        build({"defaults": {"meta_bits": 16}}).avg_stored_bits())
     assert "scale and zero in 8 bits" in key.reason
     table = str(policy)
     row = table.splitlines()[3].split()
@@ -32,7 +50,8 @@ def test_meta_bits_8_halves_the_metadata_in_spec_bytes_and_table():
 
 
 def test_meta_bits_override_per_tensor():
-    policy = build({"overrides": [{"layers": "*", "tensor": "value", "meta_bits": 8}]})
+    policy = build({"defaults": {"meta_bits": 16},
+                    "overrides": [{"layers": "*", "tensor": "value", "meta_bits": 8}]})
     assert [t.meta_bits for t in policy.tensors[:2]] == [16, 8]
     assert policy.tensors[1].stored_bits() == pytest.approx(2.5)
 
@@ -50,7 +69,9 @@ def test_meta_bits_other_widths_are_refused():
 
 
 def test_meta_bits_change_the_calibration_key():
-    assert build().calibration_key != build({"defaults": {"meta_bits": 8}}).calibration_key
+    assert build().calibration_key != build({"defaults": {"meta_bits": 16}}).calibration_key
+    assert (build({"defaults": {"group_size": 32}}).calibration_key
+            != build({"defaults": {"group_size": 32, "meta_bits": 8}}).calibration_key)
 
 
 def test_a_stored_budget_with_8_bit_metadata_chooses_among_halved_groups():
@@ -63,9 +84,9 @@ def test_a_stored_budget_with_8_bit_metadata_chooses_among_halved_groups():
     assert groups() == (16, 32, 64, 128)
 
 
-def test_auto_is_16_bits_without_a_stored_budget():
-    assert {t.meta_bits for t in build().tensors} == {16}
-    assert {t.meta_bits for t in build({"defaults": {"bits": 2.5}}).tensors} == {16}
+def test_auto_is_16_bits_under_a_code_budget_and_chosen_under_a_stored_one():
+    budget = build({"defaults": {"bits": 2.5}}).tensors
+    assert {t.meta_bits for t in budget} == {16} and {t.group_size for t in budget} == {32}
     stored = build({"defaults": {"stored_bits": 3.0}})
     assert {t.meta_bits for t in stored.tensors} == {"auto"}
     assert stored.tensors[0].quant_spec().meta_bits == 16

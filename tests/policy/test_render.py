@@ -20,10 +20,10 @@ def test_table_groups_identical_layers_and_shows_values():
     assert len(rows) == 2  # layers 0-3 are identical: one key row, one value row
     # Footer: the achieved average and the packed bytes per token against fp16.
     assert lines[-1].startswith("average 2.000 code bits per cached element;")
-    assert "5.33x smaller" in lines[-1]  # 2 bits + fp16 scale and zero per 32 = 3 bits
-    assert rows[0][:11] == ["0-3", "key", "channel", "2", "32", "uniform", "16", "yes", "128",
+    assert "5.33x smaller" in lines[-1]  # 2 bits + 8-bit scale and zero per 16 = 3 bits
+    assert rows[0][:11] == ["0-3", "key", "channel", "2", "16", "uniform", "8", "yes", "128",
                             "4", "-"]
-    assert rows[1][:11] == ["0-3", "value", "token", "2", "32", "uniform", "16", "-", "128",
+    assert rows[1][:11] == ["0-3", "value", "token", "2", "16", "uniform", "8", "-", "128",
                             "4", "-"]
     assert "q·kᵀ sums over channels" in lines[3]
 
