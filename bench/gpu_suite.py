@@ -18,7 +18,8 @@ and last the capture of a whole decode step):
       ``enable_gqa=True``, the flash backend pinned (``sdpa_kernel(FLASH_ATTENTION)``; if flash
       refuses, the row names what ran instead);
     - ``kvpolicy attend``: a ``PackedKVLayer`` with compile_model(bits=2)'s defaults (keys 2-bit
-      per channel, values 2-bit per token, group 32, residual 128, sinks 4), pre-RoPE keys with
+      per channel, values 2-bit per token, groups of 16 with 8-bit scales and zeros, residual
+      128, sinks 4: the specs ``derive_policy`` gives the suite's model), pre-RoPE keys with
       a rotate_half table in the table dtype a compiled model's cache hands its layers (the
       model's fp16 for Triton, fp32 for the torch backend), timed through
       ``layer.attend(q)``: the whole step as a compiled model runs it, Python included;
@@ -104,7 +105,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -422,6 +423,18 @@ def rotary(theta: float, d: int, positions: int, device: torch.device, dtype: to
 # ---------------------------------------------------------------------------------------
 
 
+class SuitePolicy(NamedTuple):
+    """The 2-bit policy the rows run: ``compile_model(bits=2)``'s specs for the suite's
+    model, and the group quanto runs at (the preset's fp16-metadata group: the same stored
+    bits as kvpolicy's 8-bit metadata at half of it)."""
+
+    key: Any  # kvpolicy.kernels.layout.QuantSpec
+    value: Any
+    residual: int
+    sinks: int
+    quanto_group: int
+
+
 @dataclass
 class Context:
     """What the rows share: device, shapes, the measured peak, the models built once."""
@@ -436,7 +449,7 @@ class Context:
     quanto_axes: tuple[int, int] = (0, 0)
     notes: list[str] = field(default_factory=list)
     _rope: Any = None
-    _policy: tuple[int, int, int] | None = None
+    _policy: SuitePolicy | None = None
     _models: dict[str, Any] = field(default_factory=dict)
     _quanto_label: str | None = None
     fp_logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
@@ -448,13 +461,17 @@ class Context:
     def cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def policy(self) -> tuple[int, int, int]:
-        """(group, residual, sinks) of ``compile_model(bits=2)``: its preset's defaults."""
+    def policy(self) -> SuitePolicy:
+        """What ``compile_model(bits=2)`` gives the suite's model (its first layer's
+        tensors, as ``derive_policy`` builds them), and the preset's own group for quanto."""
         if self._policy is None:
+            import kvpolicy
             from kvpolicy.policy import load_spec
 
-            d = load_spec(None, bits=2).defaults
-            self._policy = (d.group_size, d.residual, d.sinks)
+            pol = kvpolicy.derive_policy(self.base_model(), bits=2, progress=False)
+            key, value = pol.get(pol.layers[0], "key"), pol.get(pol.layers[0], "value")
+            self._policy = SuitePolicy(key.quant_spec(), value.quant_spec(), key.residual,
+                                       key.sinks, load_spec(None, bits=2).defaults.group_size)
         return self._policy
 
     def rope(self, positions: int):
@@ -608,13 +625,12 @@ def _reference_rows(ctx: Context, k, v, q, rows: list[int], scale: float) -> tor
 
 
 def _layer(ctx: Context, backend: str, rope):
-    from kvpolicy.kernels.layout import QuantSpec
     from kvpolicy.runtime.layer import PackedKVLayer
 
-    group, residual, sinks = ctx.policy()
+    p = ctx.policy()
     return PackedKVLayer(
-        QuantSpec(2, group, "channel"), QuantSpec(2, group, "token"), residual=residual,
-        sinks=sinks, rope=rope, backend=backend, dtype=ctx.dtype,
+        p.key, p.value, residual=p.residual, sinks=p.sinks, rope=rope, backend=backend,
+        dtype=ctx.dtype,
     )
 
 
@@ -797,7 +813,7 @@ def model_group(ctx: Context, kind: str, t: int, b: int, emit: Callable[[Row], N
     from kvpolicy.evaluation.peers import peer_cache
 
     s = ctx.shapes
-    group, residual, _ = ctx.policy()
+    group, residual = ctx.policy().quanto_group, ctx.policy().residual
     base = ctx.base_model()
     label = {"fp": "DynamicCache fp16", "kvpolicy": "kvpolicy-2", "quanto": "quanto-2"}[kind]
     note = ""
@@ -1214,11 +1230,12 @@ def header(ctx: Context, args: argparse.Namespace, tiny: bool) -> list[str]:
            "unknown for this device name")
         + "; '% peak' uses the measured figure")
     s = ctx.shapes
-    group, residual, sinks = ctx.policy()
+    p = ctx.policy()
     lines.append(
         f"shapes: {s.q_heads} query heads, {s.kv_heads} KV heads, head_dim {s.head_dim}; "
         f"kvpolicy: 2-bit keys per channel (pre-RoPE, rotate_half), 2-bit values per token, "
-        f"G={group}, residual {residual}, sinks {sinks} (compile_model(bits=2)'s defaults), "
+        f"G={p.key.group_size}, {p.key.meta_bits}-bit scales and zeros, residual "
+        f"{p.residual}, sinks {p.sinks} (compile_model(bits=2)'s defaults), "
         f"{ctx.backend} backend, rotary table in "
         f"{str(ctx.rope(1).cos.dtype).replace('torch.', '')}")
     lines.append(

@@ -26,6 +26,15 @@ class ModelState:
     policy: Any = None  # policy.ModelPolicy of the compiled model
     compiled: Any = None  # runtime.install.CompiledModel
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModelState:
+        """A copy for ``copy.deepcopy(model)``: the analysis is a cache of this model's
+        trace (exported graphs holding fake tensors, which cannot be copied) and is left
+        out, so the copy traces itself again when asked; the rest is copied."""
+        import copy
+
+        return ModelState(None, *(copy.deepcopy(getattr(self, f), memo)
+                                  for f in ("spec", "policy", "compiled")))
+
 
 def state_of(model: object) -> ModelState:
     """The record of ``model``, created empty on first use."""

@@ -141,6 +141,23 @@ def test_inspect_returns_the_policy_in_use():
     assert key.axis == "channel" and not key.pre_rope and key.overridden
 
 
+def test_a_copy_of_an_inspected_model_compiles_like_the_model():
+    import copy
+
+    from kvpolicy.state import state_of
+
+    model = tiny_model("llama")
+    kvpolicy.derive_policy(model, policy=SMALL, progress=False)  # caches the trace
+    twin = copy.deepcopy(model)  # the cached trace holds fake tensors: not copied
+    assert state_of(twin).analysis is None and state_of(model).analysis is not None
+    assert state_of(twin).spec == state_of(model).spec
+    kvpolicy.compile_model(model, policy=SMALL, progress=False)
+    kvpolicy.compile_model(twin, policy=SMALL, progress=False)
+    ids = _ids(length=41)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, twin(ids).logits)
+
+
 # --------------------------------------------------------------------------- errors
 
 
