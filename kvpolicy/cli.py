@@ -133,11 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "model's max_position_embeddings (8192 for smollm2-135m)")
     ev.add_argument("--steps", type=int, default=256, help="scored decode steps (default 256)")
     ev.add_argument("--retrieval", type=int, default=None, metavar="L",
-                    help="retrieval check: SEGMENTS passages of L pydoc tokens, each followed "
+                    help="retrieval check: --passages passages of L pydoc tokens, each followed "
                     "by itself, scored on the second copy (top-1 accuracy, perplexity) for fp, "
                     "the derived policy, budget 2.5 and quanto; 0 skips it (default "
                     f"{evaluation.RETRIEVAL_TOKENS}, or half the model's positions if fewer; "
                     "about L decode steps per run)")
+    ev.add_argument("--passages", type=int, default=None, metavar="N",
+                    help="retrieval passages (default: --segments), e.g. 4 passages beside "
+                    "one long segment")
     ev.add_argument("--text", metavar="FILE", default=None,
                     help="a UTF-8 text file to cut the segments and retrieval passages from "
                     "instead of the pydoc text (a budget still calibrates on pydoc)")
@@ -205,7 +208,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     report = evaluation.evaluate(
         args.model, bits=args.bits, policy=args.policy, segments=args.segments,
         context=args.context, steps=args.steps, out=args.out, quick=args.quick,
-        peers=not args.no_peers, retrieval=args.retrieval, text_file=args.text,
+        peers=not args.no_peers, retrieval=args.retrieval, passages=args.passages,
+        text_file=args.text,
         stored_budgets=args.stored_bits,
     )
     print(report.to_markdown().rstrip("\n"))

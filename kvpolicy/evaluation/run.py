@@ -37,7 +37,15 @@ from ..api import compile_model, derive_policy
 from ..api import inspect as inspect_policy
 from ..calibrate import budget
 from ..errors import KVPolicyError
-from ..policy import BUDGET_WIDTHS, build_policy, load_spec, packed_bytes_per_element
+from ..policy import (
+    BUDGET_WIDTHS,
+    Defaults,
+    build_policy,
+    is_budget,
+    load_spec,
+    metadata_at,
+    packed_bytes_per_element,
+)
 from ..zoo import text
 from ..zoo.tiny import tiny_model
 from .axis_study import consumed_study
@@ -127,6 +135,7 @@ def evaluate(
     quick: bool = False,
     peers: bool = True,
     retrieval: int | None = None,
+    passages: int | None = None,
     text_file: str | Path | None = None,
     progress: bool = True,
     stored_budgets: Sequence[float] = STORED_BUDGETS,
@@ -145,6 +154,8 @@ def evaluate(
         retrieval: tokens per passage of the retrieval check (``segments`` passages, each
             followed by itself; 0 skips it; ``quick`` makes it ``QUICK_RETRIEVAL_TOKENS``);
             default ``RETRIEVAL_TOKENS``, or half the model's positions if fewer.
+        passages: how many retrieval passages (default ``segments``), e.g. several at a
+            long ``context`` scored on one segment.
         text_file: a UTF-8 text to cut the segments and retrieval passages from instead of
             the pydoc text (a budget still calibrates on the end of the pydoc text, so that
             the scored text is never the calibration's).
@@ -164,12 +175,15 @@ def evaluate(
             policy = {"defaults": {"bits": bits, "group_size": 16, "residual": 16, "sinks": 2}}
     if retrieval is not None and retrieval < 0:
         raise KVPolicyError(f"retrieval={retrieval}: give a passage length, or 0 to skip it")
+    if passages is not None and passages < 1:
+        raise KVPolicyError(f"passages={passages}: give at least 1 retrieval passage (or "
+                            "retrieval=0 to skip the check)")
     if text_file is not None and (quick or model.startswith("tiny-")):
         raise KVPolicyError("--text needs a model with a tokenizer; a tiny model (and "
                             "--quick) scores random tokens")
     source = None if text_file is None else text.read_text(text_file)
     load, segs, cal_input, passages = _loader(model, segments, context, steps, retrieval,
-                                              source)
+                                              source, passages)
     user = _spec_dict(policy, bits)
     runs: list[RunResult] = []
     notes: list[str] = []
@@ -375,9 +389,16 @@ def _same_as(spec: dict[str, Any], user: dict[str, Any]) -> bool:
     """An ablation that only restates the user's own settings."""
     if spec.get("overrides") != user.get("overrides"):
         return False
-    d = load_spec(spec).defaults
-    u = load_spec(user).defaults
-    return d == u
+    return _fixed_meta(load_spec(spec).defaults) == _fixed_meta(load_spec(user).defaults)
+
+
+def _fixed_meta(d: Defaults) -> Defaults:
+    """``d`` with ``meta_bits: auto`` resolved where a fixed width resolves it the same for
+    every tensor of the defaults (``rules.metadata_at``)."""
+    if d.meta_bits != "auto" or d.stored_bits is not None or is_budget(d.bits):
+        return d
+    meta = metadata_at("auto", d.bits, d.levels, "group_size" not in d.model_fields_set)
+    return d.model_copy(update={"meta_bits": meta})
 
 
 def _spec_dict(policy: Any, bits: int | float) -> dict[str, Any]:
@@ -395,7 +416,7 @@ def _fp16_bytes(per_token: int | None, batch: int, tokens: int) -> int | None:
 
 def _loader(
     model: str, segments: int, context: int, steps: int, retrieval: int | None,
-    source: str | None = None,
+    source: str | None = None, passages: int | None = None,
 ) -> tuple[Callable[[], Any], torch.Tensor, Any, torch.Tensor | None]:
     """``(load, segments, calibration input, retrieval passages or None)``, after checking
     that the model has positions for them (``_check_positions``). The calibration input of a
@@ -403,8 +424,9 @@ def _loader(
     segments', as many as the default calibration text has; for a zoo model its tokenizer,
     for the default text (the last pydoc tokens, which the segments never reach). The
     retrieval passages: random ids of a third seed, or pydoc text from its start, as the
-    segments."""
+    segments; ``passages`` of them (default ``segments``)."""
     length = context + steps
+    passages = segments if passages is None else passages
     if model.startswith("tiny-"):
         arch = model[len("tiny-"):]
         probe = tiny_model(arch)
@@ -414,7 +436,7 @@ def _loader(
         cal = torch.randint(3, probe.config.vocab_size, (1, budget.CALIBRATION_TOKENS),
                             generator=torch.Generator().manual_seed(1))
         passages = None if not retrieval else torch.randint(
-            3, probe.config.vocab_size, (segments, retrieval),
+            3, probe.config.vocab_size, (passages, retrieval),
             generator=torch.Generator().manual_seed(2))
         return (lambda: tiny_model(arch)), segs, cal, passages
     probe, tokenizer = zoo.load(model)
@@ -423,10 +445,11 @@ def _loader(
     try:
         segs = text.segments(tokenizer, length, segments, source=source)
         passages = (None if not retrieval else
-                    text.segments(tokenizer, retrieval, segments, stride=max(retrieval, 1024),
+                    text.segments(tokenizer, retrieval, passages, stride=max(retrieval, 1024),
                                   source=source))
     except ValueError as exc:  # the text is finite: say which option to lower
-        raise KVPolicyError(f"{exc} (--segments, --context + --steps, --retrieval)") from exc
+        raise KVPolicyError(f"{exc} (--segments, --context + --steps, --retrieval, "
+                            "--passages)") from exc
     return (lambda: zoo.load(model)[0]), segs, tokenizer, passages
 
 

@@ -31,6 +31,7 @@ from .rules import (
     TensorKind,
     is_budget,
     levels_at,
+    metadata_at,
     packed_bytes_per_element,
     stored_bits,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "build_policy",
     "is_budget",
     "levels_at",
+    "metadata_at",
     "packed_bytes_per_element",
     "stored_bits",
 ]

@@ -212,3 +212,20 @@ def test_text_file_needs_a_model_with_a_tokenizer(tmp_path):
         run.evaluate("tiny-llama", text_file=path)
     with pytest.raises(kvpolicy.KVPolicyError, match="--text needs a model with a tokenizer"):
         run.evaluate(quick=True, text_file=path)
+
+
+def test_retrieval_passages_are_counted_apart_from_the_segments():
+    _, segs, _, passages = run._loader("tiny-llama", 1, 64, 16, 48, passages=3)
+    assert segs.shape == (1, 80) and passages.shape == (3, 48)
+    _, _, _, default = run._loader("tiny-llama", 2, 64, 16, 48)
+    assert default.shape == (2, 48)  # as many as the segments
+    assert torch.equal(default, passages[:2])  # the same seeded passages, more of them
+    with pytest.raises(kvpolicy.KVPolicyError, match="passages=0: give at least 1"):
+        run.evaluate("tiny-llama", passages=0)
+
+
+def test_the_metadata_ablation_is_the_derived_run_where_metadata_is_already_fp16():
+    assert run._same_as({"defaults": {"bits": 2, "group_size": 16, "meta_bits": 16}},
+                        {"defaults": {"bits": 2, "group_size": 16}})
+    assert not run._same_as({"defaults": {"bits": 2, "meta_bits": 16}}, {"defaults": {"bits": 2}})
+    assert run._same_as({"defaults": {"bits": 4, "meta_bits": 16}}, {"defaults": {"bits": 4}})
