@@ -402,9 +402,16 @@ def _fixed_meta(d: Defaults) -> Defaults:
 
 
 def _spec_dict(policy: Any, bits: int | float) -> dict[str, Any]:
+    """The policy under test as a document the ablations extend. A default nobody wrote
+    (``model_fields_set``) that holds kvpolicy's own value is left out, so that it stays
+    unwritten when the document loads again (a written ``group_size`` keeps fp16
+    metadata at 2 bits, ``rules.metadata_at``); a preset's own values are written out."""
     spec = load_spec(policy, bits=bits)
     dump = spec.model_dump(mode="json", exclude_none=True)
-    defaults = {k: v for k, v in dump["defaults"].items() if k != "axis" or v is not None}
+    own = Defaults().model_dump(mode="json")
+    given = spec.defaults.model_fields_set | {"bits"}
+    defaults = {k: v for k, v in dump["defaults"].items()
+                if (k in given or v != own.get(k)) and (k != "axis" or v is not None)}
     return {"defaults": defaults, "overrides": [
         {k: v for k, v in rule.items() if v is not None} for rule in dump.get("overrides", [])
     ]}

@@ -229,3 +229,18 @@ def test_the_metadata_ablation_is_the_derived_run_where_metadata_is_already_fp16
                         {"defaults": {"bits": 2, "group_size": 16}})
     assert not run._same_as({"defaults": {"bits": 2, "meta_bits": 16}}, {"defaults": {"bits": 2}})
     assert run._same_as({"defaults": {"bits": 4, "meta_bits": 16}}, {"defaults": {"bits": 4}})
+
+
+def test_the_policy_under_test_keeps_what_nobody_wrote_unwritten():
+    # bits=2 without a policy: kvpolicy's group stays unwritten, so the derived run stores
+    # 8-bit metadata in groups of 16 as compile_model(bits=2) does; a preset's own values
+    # are written out.
+    assert run._spec_dict(None, 2) == {"defaults": {"bits": 2}, "overrides": []}
+    tensors = kvpolicy.derive_policy(tiny_model("llama"), policy=run._spec_dict(None, 2),
+                                     progress=False).tensors
+    assert {(t.group_size, t.meta_bits) for t in tensors} == {(16, 8)}
+    kivi = run._spec_dict("kivi-2", 2)
+    assert kivi["defaults"]["meta_bits"] == 16 and "group_size" not in kivi["defaults"]
+    tensors = kvpolicy.derive_policy(tiny_model("llama"), policy=kivi, progress=False).tensors
+    assert {(t.group_size, t.meta_bits) for t in tensors} == {(32, 16)}
+    assert run._spec_dict({"defaults": {"group_size": 32}}, 2)["defaults"]["group_size"] == 32
