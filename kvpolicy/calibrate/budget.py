@@ -358,7 +358,8 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
 
     def key_error(w: int, g: int, levels: str, meta: int = kp.stored_meta_bits) -> float:
         stored = act.key_pre if pre_rope else k
-        spec = QuantSpec(w, g, kp.axis.value, levels, meta)  # type: ignore[arg-type]
+        spec = QuantSpec(w, g, kp.axis.value, levels, meta,  # type: ignore[arg-type]
+                         kp.fit if meta == 8 else "minmax")
         k_seg = roundtrip(stored[:, :, seg].contiguous(), spec, store)
         if pre_rope:
             k_seg = reference.apply_rope(k_seg, positions[:, seg], rope)
@@ -370,7 +371,8 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
 
     def value_error(w: int, g: int, rotation: str, levels: str,
                     meta: int = vp.stored_meta_bits) -> float:
-        spec = QuantSpec(w, g, vp.axis.value, levels, meta)  # type: ignore[arg-type]
+        spec = QuantSpec(w, g, vp.axis.value, levels, meta,  # type: ignore[arg-type]
+                         vp.fit if meta == 8 else "minmax")
         rot = rotation_matrix(rotation, v.shape[-1], v.device)
         if rot is None:
             v_seg = roundtrip(v[:, :, seg].contiguous(), spec, store)

@@ -61,16 +61,17 @@ def packed_shapes(
 @torch.library.custom_op("kvpolicy::quantize", mutates_args=())
 def quantize(
     x: torch.Tensor, bits: int, group_size: int, axis: str, dtype: torch.dtype | None = None,
-    backend: str = "auto", levels: str = "uniform", meta_bits: int = 16,
+    backend: str = "auto", levels: str = "uniform", meta_bits: int = 16, fit: str = "minmax",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(codes, scale, zero)`` of ``x [B, H, T, D]`` packed with ``bits``/``group_size``
     along ``axis`` (``"channel"`` or ``"token"``) with ``levels`` (``"uniform"`` or
     ``"normal"``, :mod:`kvpolicy.kernels.layout`) by ``backend`` (one of
     :data:`kvpolicy.kernels.backend.BACKENDS`); scale and zero (and, at 16 bits, the plain
     tensor in ``codes``) in ``dtype``, default ``x``'s, or with ``meta_bits=8`` a uint8
-    scale index and an int8 zero point. At 16 bits scale and zero are empty.
+    scale index and an int8 zero point (``fit``: how the 8-bit grid is fitted). At 16 bits
+    scale and zero are empty.
     """
-    spec = QuantSpec(bits, group_size, axis, levels, meta_bits)  # type: ignore[arg-type]
+    spec = QuantSpec(bits, group_size, axis, levels, meta_bits, fit)  # type: ignore[arg-type]
     codes, scale, zero = select(backend, x.device).quantize(x, spec, dtype)
     if spec.full_precision:
         # The kernels return x itself (x.to(dtype) of the same dtype) and one empty tensor
@@ -85,9 +86,9 @@ def quantize(
 @quantize.register_fake
 def _quantize_fake(
     x: torch.Tensor, bits: int, group_size: int, axis: str, dtype: torch.dtype | None = None,
-    backend: str = "auto", levels: str = "uniform", meta_bits: int = 16,
+    backend: str = "auto", levels: str = "uniform", meta_bits: int = 16, fit: str = "minmax",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    spec = QuantSpec(bits, group_size, axis, levels, meta_bits)  # type: ignore[arg-type]
+    spec = QuantSpec(bits, group_size, axis, levels, meta_bits, fit)  # type: ignore[arg-type]
     store = x.dtype if dtype is None else dtype
     codes_shape, scale_shape = packed_shapes(tuple(x.shape), spec)
     codes_dtype = store if spec.full_precision else torch.uint8
@@ -103,4 +104,4 @@ def quantize_packed(
     """:func:`quantize` with a ``QuantSpec``, as a :class:`Packed` (the backends' contract,
     ``kernels.contract.Quantize``, through the op)."""
     return Packed(*quantize(x, spec.bits, spec.group_size, spec.axis, dtype, backend,
-                            spec.levels, spec.meta_bits))
+                            spec.levels, spec.meta_bits, spec.fit))

@@ -31,6 +31,7 @@ import torch
 from ..errors import CacheError
 from .contract import Backend, compose_decode
 from .layout import (
+    FIT_STEPS,
     ZERO_STEPS,
     Packed,
     QuantSpec,
@@ -180,11 +181,29 @@ def _encode_meta8(
     need = torch.maximum((hi - lo) / top, lo.abs() / (127 / ZERO_STEPS))
     table = _scale_table(groups.device)
     index = torch.searchsorted(table, need.contiguous()).clamp_(max=255)
-    s32 = table[index]
-    point = torch.round(-lo / s32 * ZERO_STEPS).clamp_(-128, 127)
+    codes, point, err = _grid(groups, table[index], lo, top)
+    if spec.fit == "mse":  # coarser steps' loss against clipping: keep the least error
+        mid, base = (lo + hi) / 2, index
+        for k in range(1, FIT_STEPS + 1):
+            idx = (base - k).clamp_(min=0)
+            s32 = table[idx]
+            c, p, e = _grid(groups, s32, mid - top * s32 / 2, top)
+            better = e < err
+            err = torch.where(better, e, err)
+            codes = torch.where(better.unsqueeze(-1), c, codes)
+            index, point = torch.where(better, idx, index), torch.where(better, p, point)
+    return codes.to(torch.uint8), index.to(torch.uint8), point.to(torch.int8)
+
+
+def _grid(groups: torch.Tensor, s32: torch.Tensor, low: torch.Tensor,
+          top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes, zero point, squared error)`` of ``groups [..., G]`` on the 8-bit grid of
+    step ``s32 [...]`` whose zero point is nearest ``low``."""
+    point = torch.round(-low / s32 * ZERO_STEPS).clamp_(-128, 127)
     z32 = -point * s32 / ZERO_STEPS
     codes = torch.round((groups - z32.unsqueeze(-1)) / s32.unsqueeze(-1)).clamp_(0, top)
-    return codes.to(torch.uint8), index.to(torch.uint8), point.to(torch.int8)
+    err = (codes * s32.unsqueeze(-1) + z32.unsqueeze(-1) - groups).square().sum(dim=-1)
+    return codes, point, err
 
 
 def _scale_table(device: torch.device) -> torch.Tensor:

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from ..analysis.facts import Contracted, LayerFacts, TensorFacts
 from ..errors import PolicyError
+from ..kernels.layout import FIT_STEPS
 from .messages import show
 from .rules import (
     BUDGET_WIDTHS,
@@ -26,6 +27,7 @@ from .rules import (
     TensorKind,
     byte_aligned,
     fallback_group_size,
+    fit_at,
     join_or,
     metadata_at,
     stored_bits,
@@ -178,6 +180,12 @@ def _reason(
             "scale and zero in 8 bits each (a scale index and a zero point on the grid), "
             "half the metadata of the cache dtype"
         )
+    if values.get("fit") == "mse" and values["bits"] < FULL_PRECISION:
+        parts.append(
+            "each group's grid fitted by least squared error among the min-max scale and "
+            f"the {FIT_STEPS} table steps below it, centred (clips a group's extremes where "
+            "that costs less than the coarser step)"
+        )
     if meta_from is not None:
         bits = values["bits"]
         parts.append(
@@ -265,6 +273,7 @@ def build_policy(
                 "rotation": d.rotation if kind is TensorKind.VALUE else "none",
                 "levels": d.levels,
                 "meta_bits": d.meta_bits,
+                "fit": d.fit,
             }
             origins = dict.fromkeys(values, _DEFAULTS)
             if d.axis is None:
@@ -287,6 +296,8 @@ def build_policy(
                 if values["meta_bits"] == 8:
                     meta_from = values["group_size"]
                     values["group_size"] //= 2
+            values["fit"] = fit_at(values["fit"], kind is TensorKind.KEY, values["meta_bits"],
+                                   spec.budget is not None)
             if values["rotation"] == "auto" and tf.head_dim & (tf.head_dim - 1):
                 values["rotation"] = "none"  # no Hadamard of this size: nothing to choose
             if values["pre_rope"] and not has_rope and tf.rope is not None:

@@ -221,6 +221,9 @@ class TensorPolicy(Frozen):
     # each (a scale index and a zero point; uniform levels); "auto" (under a stored-bits
     # budget, before allocation): measured both ways, the allocator chooses.
     meta_bits: Literal[16, 8, "auto"] = 16
+    # How a group's 8-bit grid is fitted (kernels.layout): min-max, or the least squared
+    # error among the min-max scale and the table steps below it (8-bit metadata only).
+    fit: Literal["minmax", "mse"] = "minmax"
     reason: StrictStr
 
     @field_validator("bits")
@@ -276,6 +279,14 @@ class TensorPolicy(Frozen):
                 "meta_bits",
                 "levels",
             )
+        if self.fit == "mse" and self.meta_bits != 8 and not self.full_precision:
+            raise invalid(
+                "fit",
+                "fit: mse searches the 8-bit scale table; use it with meta_bits: 8, or "
+                "fit: minmax",
+                "fit",
+                "meta_bits",
+            )
         if self.derived_pre_rope and self.rope is None:
             raise invalid("derived_pre_rope", "derived_pre_rope is true but rope is null")
         if self.group_sizes:
@@ -316,7 +327,8 @@ class TensorPolicy(Frozen):
     def quant_spec(self) -> QuantSpec:
         """The kernels' :class:`~kvpolicy.kernels.layout.QuantSpec` of this tensor."""
         return QuantSpec(self.bits, self.group_size, self.axis.value,  # type: ignore[arg-type]
-                         self.code_levels, self.stored_meta_bits)
+                         self.code_levels, self.stored_meta_bits,
+                         self.fit if self.stored_meta_bits == 8 else "minmax")
 
     @property
     def pinned_full_precision(self) -> bool:
@@ -452,6 +464,7 @@ class ModelPolicy(Frozen):
             + (f":rot={t.rotation}" if t.rotation != "none" else "")
             + (f":lv={t.levels}" if t.levels != "uniform" else "")
             + (f":m{t.meta_bits}" if t.meta_bits != 16 else "")
+            + (f":fit={t.fit}" if t.fit != "minmax" else "")
             + (f":g={'/'.join(map(str, t.group_sizes))}" if t.group_sizes else "")
             for t in self.tensors
         ]

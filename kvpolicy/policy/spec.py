@@ -41,7 +41,7 @@ from .schema import GROUP_TABLES, Calibration
 
 _SETTABLE = (
     "bits", "group_size", "axis", "pre_rope", "residual", "sinks", "rotation", "levels",
-    "meta_bits",
+    "meta_bits", "fit",
 )
 # The quantization levels (kernels.layout): "auto" is chosen per tensor by a budget's
 # calibration, and is uniform without one (rules.levels_at).
@@ -142,6 +142,10 @@ class Defaults(Frozen):
     # 3.0 stored bits per element, what groups of 32 cost at 16. "auto": a stored-bits
     # budget measures both and chooses per tensor; 16 without one.
     meta_bits: Literal[16, 8, "auto"] = "auto"
+    # How a group's 8-bit grid is fitted (kernels.layout): minmax, mse (the least squared
+    # error among the min-max scale and the table steps below it; 8-bit metadata only) or
+    # auto (rules.fit_at: mse for keys with 8-bit metadata outside a stored-bits budget).
+    fit: Literal["minmax", "mse", "auto"] = "auto"
 
     @field_validator("bits")
     @classmethod
@@ -209,6 +213,7 @@ class OverrideRule(Frozen):
     rotation: Literal["none", "hadamard", "auto"] | None = None
     levels: LevelsSetting | None = None
     meta_bits: Literal[16, 8, "auto"] | None = None
+    fit: Literal["minmax", "mse", "auto"] | None = None
 
     @field_validator("layers", mode="before")
     @classmethod

@@ -13,7 +13,7 @@ from kvpolicy.kernels.layout import QuantSpec
 def test_meta_bits_default_is_8_bits_in_groups_of_16_at_2_bits_only():
     policy = build()
     assert {t.meta_bits for t in policy.tensors} == {8}
-    assert policy.tensors[0].quant_spec() == QuantSpec(2, 16, "channel", "uniform", 8)
+    assert policy.tensors[0].quant_spec() == QuantSpec(2, 16, "channel", "uniform", 8, "mse")
     assert policy.avg_stored_bits() == pytest.approx(3.0)
     # Other widths, a written group size, normal levels, fp16 pinned: the cache dtype.
     for spec in ({"defaults": {"bits": 3}}, {"defaults": {"bits": 4}},
@@ -36,7 +36,7 @@ def test_meta_bits_default_is_8_bits_in_groups_of_16_at_2_bits_only():
 def test_meta_bits_8_halves_the_metadata_in_spec_bytes_and_table():
     policy = build({"defaults": {"bits": 2, "group_size": 16, "meta_bits": 8}})
     key = policy.tensors[0]
-    assert key.quant_spec() == QuantSpec(2, 16, "channel", "uniform", 8)
+    assert key.quant_spec() == QuantSpec(2, 16, "channel", "uniform", 8, "mse")
     # 2-bit codes plus a one-byte scale and zero per group of 16: 3.0 stored bits, what
     # groups of 32 cost with fp16 metadata.
     assert key.stored_bits() == pytest.approx(3.0)
