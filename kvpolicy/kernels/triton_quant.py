@@ -29,7 +29,12 @@ to 255, as the reference); the zero point is ``round(4 * -min / scale)`` (quarte
 clamped to int8, and the codes are computed against ``scale`` and ``-point * scale / 4``:
 the same fp32 operations
 as :func:`kvpolicy.kernels.reference.quantize`, so codes, indices and zero points are
-bit-identical.
+bit-identical. Fit ``mse`` (``FIT``, the number of coarser table steps tried) computes
+each candidate grid with the reference's operations and sums its squared error over the
+group with ``tl.sum``, whose order differs from torch's: where two candidates' errors
+agree to fp32 rounding the two may keep different ones (both of the least error, up to
+that rounding); elsewhere the choice and the codes are the reference's. On a GPU the
+compiler may also fuse a multiply and add of the error into one rounding.
 
 Packing works in *chunks*: ``CH = 8 // gcd(bits, 8)`` codes fill ``CB = CH * bits // 8``
 whole bytes (8 codes -> 3 bytes at 3 bits). ``G * bits % 8 == 0`` makes every group a
@@ -47,7 +52,7 @@ import triton.language as tl
 
 from ..errors import CacheError
 from ._triton_util import interpreting, meta_table, threshold_table
-from .layout import Packed, QuantSpec
+from .layout import FIT_STEPS, Packed, QuantSpec
 
 __all__ = ["quantize"]
 
@@ -110,9 +115,19 @@ def _scale_index(need, stab_ptr):
     return idx
 
 
+@triton.jit
+def _grid_error(tile, ok, s32, z32, LEVELS: tl.constexpr):
+    """Squared error of each lane's group (``tile [BLOCK_G, BLOCK_L]``, ``ok`` its valid
+    elements) on the grid of step ``s32`` and zero ``z32`` (fit ``mse``)."""
+    q = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(tile - z32[None, :], s32[None, :])),
+                              0.0), LEVELS)
+    diff = (q * s32[None, :] + z32[None, :]) - tile
+    return tl.sum(tl.where(ok, diff * diff, 0.0), axis=0)
+
+
 @triton.autotune(
     configs=_QUANT_CONFIGS,
-    key=["lane_bucket", "GROUP", "BITS", "NORMAL", "META8"],
+    key=["lane_bucket", "GROUP", "BITS", "NORMAL", "META8", "FIT"],
     prune_configs_by={"early_config_prune": _keep_quant_config},
 )
 @triton.jit
@@ -146,6 +161,7 @@ def _quantize_pack_kernel(
     thr_ptr=None,  # fp32 thresholds [2**BITS - 1], ascending (NORMAL)
     META8: tl.constexpr = False,  # 8-bit metadata: uint8 scale index, int8 zero point
     stab_ptr=None,  # fp32 scales [256], increasing (META8)
+    FIT: tl.constexpr = 0,  # fit mse: table steps below the min-max scale to try (META8)
 ):
     tl.static_assert(BITS >= 1 and BITS <= 8, "BITS must be 1..8")
     tl.static_assert((GROUP * BITS) % 8 == 0, "every group must start on a byte boundary")
@@ -196,6 +212,26 @@ def _quantize_pack_kernel(
         point = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(-lo, s32) * 4.0), -128.0),
                            127.0)
         z32 = -point * s32 * 0.25
+        if FIT > 0:
+            # Fit mse: each coarser-clipped grid, centred on the midrange, against the
+            # min-max one; the least squared error wins (the first on a tie).
+            best = _grid_error(tile, ok, s32, z32, LEVELS)
+            mid = (lo + hi) * 0.5
+            base = idx
+            for k in tl.static_range(1, FIT + 1):
+                idx_k = tl.maximum(base - k, 0)
+                s_k = tl.load(stab_ptr + idx_k)
+                low = mid - LEVELS * s_k * 0.5
+                p_k = tl.minimum(
+                    tl.maximum(_round_half_even(tl.div_rn(-low, s_k) * 4.0), -128.0), 127.0)
+                z_k = -p_k * s_k * 0.25
+                err = _grid_error(tile, ok, s_k, z_k, LEVELS)
+                better = err < best
+                best = tl.where(better, err, best)
+                idx = tl.where(better, idx_k, idx)
+                s32 = tl.where(better, s_k, s32)
+                point = tl.where(better, p_k, point)
+                z32 = tl.where(better, z_k, z32)
         s_off = b * ss_b + h * ss_h + pid_n * ss_n + lanes * ss_l
         tl.store(zero_ptr + s_off, point.to(tl.int32).to(tl.int8), mask=lane_ok)
         tl.store(scale_ptr + s_off, idx.to(tl.uint8), mask=lane_ok)
@@ -322,5 +358,6 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
         thr_ptr=None if spec.uniform else threshold_table(bits, x.device),
         META8=spec.meta8,
         stab_ptr=meta_table(spec, device=x.device),
+        FIT=FIT_STEPS if spec.meta8 and spec.fit == "mse" else 0,
     )
     return Packed(codes, scale, zero)

@@ -55,6 +55,20 @@ def test_quantize_bit_identical(bits, axis, g, x_dtype):
     _assert_same(got, ref.quantize(x, spec))
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_quantize_fit_mse_bit_identical(bits, axis):
+    # Fit mse: the kernel tries the same coarser centred grids and keeps the same ones.
+    spec = QuantSpec(bits, 16, axis, meta_bits=8, fit="mse")
+    shape = (1, 2, 64, 24) if axis == "channel" else (1, 2, 5, 64)
+    x = _data(shape, torch.float32, seed=bits + 40)
+    got, want = _tq().quantize(x, spec), ref.quantize(x, spec)
+    _assert_same(got, want)
+    # Not vacuous: some groups kept a clipped grid (a smaller index than min-max's).
+    minmax = ref.quantize(x, _m8(bits, 16, axis))
+    assert (want.scale < minmax.scale).any()
+
+
 def test_quantize_ignores_the_cache_dtype_and_strides():
     # The metadata is one byte each whatever the cache dtype; a transposed input.
     spec = _m8(3, 8, "token")

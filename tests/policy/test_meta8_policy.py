@@ -123,3 +123,29 @@ def test_the_cache_stores_one_byte_scales_and_zeros_and_decodes_close_to_fp16_me
     # Half the metadata bytes, the same code bytes.
     assert stats[8]["scale_bytes"] * 2 == stats[16]["scale_bytes"]
     assert stats[8]["code_bytes"] == stats[16]["code_bytes"]
+
+
+def test_fit_auto_is_mse_for_keys_with_8_bit_metadata_at_a_fixed_width():
+    policy = build()
+    key, value = policy.get(0, "key"), policy.get(0, "value")
+    assert (key.fit, value.fit) == ("mse", "minmax")
+    assert key.quant_spec().fit == "mse" and value.quant_spec().fit == "minmax"
+    assert "grid fitted by least squared error" in key.reason
+    assert "least squared error" not in value.reason
+    # fp16 metadata, or a budget (its calibration measures min-max grids): min-max.
+    for spec in ({"defaults": {"meta_bits": 16}}, {"defaults": {"bits": 2.5}},
+                 {"defaults": {"stored_bits": 3.0}},
+                 {"defaults": {"bits": 2.5, "group_size": 16, "meta_bits": 8}}):
+        assert {t.fit for t in build(spec).tensors} == {"minmax"}, spec
+
+
+def test_fit_is_a_yaml_key_per_tensor_and_part_of_the_calibration_key():
+    policy = build({"defaults": {"fit": "minmax"},
+                    "overrides": [{"layers": 1, "tensor": "value", "fit": "mse"}]})
+    assert policy.get(0, "key").fit == "minmax" and policy.get(1, "value").fit == "mse"
+    assert policy.get(1, "value").quant_spec().fit == "mse"
+    assert build().calibration_key != build({"defaults": {"fit": "minmax"}}).calibration_key
+    with pytest.raises(PolicyError, match="fit: mse searches the 8-bit scale table"):
+        build({"defaults": {"meta_bits": 16, "fit": "mse"}})
+    with pytest.raises(PolicyError, match="fit"):
+        build({"defaults": {"fit": "best"}})
