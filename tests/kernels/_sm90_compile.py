@@ -113,7 +113,7 @@ def decode(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, k_lut=False, v_lu
     return _compile(td._decode_kernel, ints, ptrs, consts, floats=("scale", "softcap"))
 
 
-def quantize(bits, g, sdt, normal=False, meta8=False):
+def quantize(bits, g, sdt, normal=False, meta8=False, fit=0):
     ints = {n: 64 for n in tq._quantize_pack_kernel.arg_names}
     ints.update(sx_l=1, sc_l=1, ss_l=1)
     ptrs = dict(x_ptr="*fp16", codes_ptr="*u8", scale_ptr=f"*{sdt}", zero_ptr=f"*{sdt}")
@@ -124,7 +124,7 @@ def quantize(bits, g, sdt, normal=False, meta8=False):
     if normal:
         ptrs["thr_ptr"] = "*fp32"
     if meta8:  # a uint8 scale index and an int8 zero point, whatever the cache dtype
-        consts.update(META8=True, STORE_BF16=False)
+        consts.update(META8=True, STORE_BF16=False, FIT=fit)
         ptrs.update(scale_ptr="*u8", zero_ptr="*i8", stab_ptr="*fp32")
     return _compile(tq._quantize_pack_kernel, ints, ptrs, consts, warps=2)
 
@@ -177,6 +177,9 @@ def main() -> int:
          lambda: decode("bf16", 4, "token", 3, "channel", 1, 64, d=80, v_m8=True)),
         ("quantize 2-bit 8-bit metadata", lambda: quantize(2, 32, "fp16", meta8=True)),
         ("quantize 3-bit 8-bit metadata", lambda: quantize(3, 16, "bf16", meta8=True)),
+        # fit mse: the quantizer's search over coarser centred grids (kvpolicy-2's keys)
+        ("quantize 2-bit 8-bit metadata, fit mse",
+         lambda: quantize(2, 16, "fp16", meta8=True, fit=3)),
     ]
     for name, build in variants:
         build()
