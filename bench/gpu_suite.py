@@ -813,7 +813,8 @@ def model_group(ctx: Context, kind: str, t: int, b: int, emit: Callable[[Row], N
     from kvpolicy.evaluation.peers import peer_cache
 
     s = ctx.shapes
-    group, residual = ctx.policy().quanto_group, ctx.policy().residual
+    p = ctx.policy()
+    group, residual = p.quanto_group, p.residual
     base = ctx.base_model()
     label = {"fp": "DynamicCache fp16", "kvpolicy": "kvpolicy-2", "quanto": "quanto-2"}[kind]
     note = ""

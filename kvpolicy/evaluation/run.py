@@ -395,9 +395,10 @@ def _same_as(spec: dict[str, Any], user: dict[str, Any]) -> bool:
 def _fixed_meta(d: Defaults) -> Defaults:
     """``d`` with ``meta_bits: auto`` resolved where a fixed width resolves it the same for
     every tensor of the defaults (``rules.metadata_at``)."""
-    if d.meta_bits != "auto" or d.stored_bits is not None or is_budget(d.bits):
+    if d.stored_bits is not None:  # the allocator chooses per tensor
         return d
-    meta = metadata_at("auto", d.bits, d.levels, "group_size" not in d.model_fields_set)
+    meta = metadata_at(d.meta_bits, d.bits, d.levels, "group_size" not in d.model_fields_set,
+                       is_budget(d.bits))
     return d.model_copy(update={"meta_bits": meta})
 
 

@@ -181,13 +181,16 @@ def _encode_meta8(
     need = torch.maximum((hi - lo) / top, lo.abs() / (127 / ZERO_STEPS))
     table = _scale_table(groups.device)
     index = torch.searchsorted(table, need.contiguous()).clamp_(max=255)
-    codes, point, err = _grid(groups, table[index], lo, top)
+    s32 = table[index]
+    codes, point, z32 = _grid(groups, s32, lo, top)
     if spec.fit == "mse":  # coarser steps' loss against clipping: keep the least error
+        err = _squared_error(groups, codes, s32, z32)
         mid, base = (lo + hi) / 2, index
         for k in range(1, FIT_STEPS + 1):
             idx = (base - k).clamp_(min=0)
             s32 = table[idx]
-            c, p, e = _grid(groups, s32, mid - top * s32 / 2, top)
+            c, p, z = _grid(groups, s32, mid - top * s32 / 2, top)
+            e = _squared_error(groups, c, s32, z)
             better = e < err
             err = torch.where(better, e, err)
             codes = torch.where(better.unsqueeze(-1), c, codes)
@@ -197,13 +200,19 @@ def _encode_meta8(
 
 def _grid(groups: torch.Tensor, s32: torch.Tensor, low: torch.Tensor,
           top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(codes, zero point, squared error)`` of ``groups [..., G]`` on the 8-bit grid of
-    step ``s32 [...]`` whose zero point is nearest ``low``."""
+    """``(codes, zero point, zero)`` of ``groups [..., G]`` on the 8-bit grid of step
+    ``s32 [...]`` whose zero point is nearest ``low``."""
     point = torch.round(-low / s32 * ZERO_STEPS).clamp_(-128, 127)
     z32 = -point * s32 / ZERO_STEPS
     codes = torch.round((groups - z32.unsqueeze(-1)) / s32.unsqueeze(-1)).clamp_(0, top)
-    err = (codes * s32.unsqueeze(-1) + z32.unsqueeze(-1) - groups).square().sum(dim=-1)
-    return codes, point, err
+    return codes, point, z32
+
+
+def _squared_error(groups: torch.Tensor, codes: torch.Tensor, s32: torch.Tensor,
+                   z32: torch.Tensor) -> torch.Tensor:
+    """``Σ (code * scale + zero - x)²`` over each group (fit ``mse``)."""
+    back = codes * s32.unsqueeze(-1) + z32.unsqueeze(-1)
+    return (back - groups).square().sum(dim=-1)
 
 
 def _scale_table(device: torch.device) -> torch.Tensor:

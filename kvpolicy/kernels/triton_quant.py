@@ -358,6 +358,6 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
         thr_ptr=None if spec.uniform else threshold_table(bits, x.device),
         META8=spec.meta8,
         stab_ptr=meta_table(spec, device=x.device),
-        FIT=FIT_STEPS if spec.meta8 and spec.fit == "mse" else 0,
+        FIT=FIT_STEPS if spec.fit == "mse" else 0,  # QuantSpec: mse only with META8
     )
     return Packed(codes, scale, zero)

@@ -289,10 +289,9 @@ def build_policy(
                              and "group_size" not in d.model_fields_set)
             meta_from = None
             if values["meta_bits"] == "auto" and not stored:
-                # Only a stored-bits budget prices metadata; at a fixed width the measured
-                # default (rules.META8_WIDTHS), one width for every tensor of a code budget.
-                values["meta_bits"] = 16 if spec.budget is not None else metadata_at(
-                    "auto", values["bits"], values["levels"], default_group)
+                # Only a stored-bits budget prices metadata (rules.metadata_at).
+                values["meta_bits"] = metadata_at("auto", values["bits"], values["levels"],
+                                                  default_group, spec.budget is not None)
                 if values["meta_bits"] == 8:
                     meta_from = values["group_size"]
                     values["group_size"] //= 2

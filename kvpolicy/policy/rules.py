@@ -88,15 +88,17 @@ class Frozen(BaseModel):
 META8_WIDTHS: frozenset[int] = frozenset({2})
 
 
-def metadata_at(setting: str | int, bits: int, levels: str, default_group: bool) -> int:
-    """The metadata width (16 or 8) a tensor at fixed width ``bits`` stores under the
-    setting ``meta_bits`` (16, 8 or auto, outside a budget). ``auto`` is 8 at
-    ``META8_WIDTHS`` with uniform levels and kvpolicy's default group size
-    (``default_group``: none was written), which then halves; 16 otherwise."""
+def metadata_at(setting: str | int, bits: int, levels: str, default_group: bool,
+                budget: bool = False) -> int:
+    """The metadata width (16 or 8) a tensor at width ``bits`` stores under the setting
+    ``meta_bits`` (16, 8 or auto), outside a stored-bits budget (whose allocator chooses).
+    ``auto`` is 8 at ``META8_WIDTHS`` with uniform levels and kvpolicy's default group size
+    (``default_group``: none was written), which then halves; 16 otherwise, and under a
+    code-bits ``budget`` (one width of metadata for every tensor it allocates)."""
     if setting != "auto":
         return int(setting)
     uniform = levels_at(levels, bits) == "uniform"
-    return 8 if bits in META8_WIDTHS and uniform and default_group else 16
+    return 8 if bits in META8_WIDTHS and uniform and default_group and not budget else 16
 
 
 def fit_at(setting: str, key: bool, meta_bits: int | str, budget: bool) -> str:
