@@ -302,6 +302,7 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
         else:
             if t.meta_bits == "auto":
                 data["meta_bits"] = 16
+                data["fit"] = "minmax"  # the fit searches 8-bit scales only
             p, r, n = measured[i]
             reason += _variant_reason(t, data, w, p.get((w, g)), r.get((w, g)),
                                       n.get((w, g)))

@@ -181,10 +181,12 @@ def _reason(
             "half the metadata of the cache dtype"
         )
     if values.get("fit") == "mse" and values["bits"] < FULL_PRECISION:
+        where = (" where the budget chooses 8-bit metadata"
+                 if values.get("meta_bits") == "auto" else "")
         parts.append(
-            "each group's grid fitted by least squared error among the min-max scale and "
-            f"the {FIT_STEPS} table steps below it, centred (clips a group's extremes where "
-            "that costs less than the coarser step)"
+            f"each group's grid fitted by least squared error{where} among the min-max "
+            f"scale and the {FIT_STEPS} table steps below it, centred (clips a group's "
+            "extremes where that costs less than the coarser step)"
         )
     if meta_from is not None:
         bits = values["bits"]
@@ -295,8 +297,7 @@ def build_policy(
                 if values["meta_bits"] == 8:
                     meta_from = values["group_size"]
                     values["group_size"] //= 2
-            values["fit"] = fit_at(values["fit"], kind is TensorKind.KEY, values["meta_bits"],
-                                   spec.budget is not None)
+            values["fit"] = fit_at(values["fit"], kind is TensorKind.KEY, values["meta_bits"])
             if values["rotation"] == "auto" and tf.head_dim & (tf.head_dim - 1):
                 values["rotation"] = "none"  # no Hadamard of this size: nothing to choose
             if values["pre_rope"] and not has_rope and tf.rope is not None:

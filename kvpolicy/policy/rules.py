@@ -101,14 +101,16 @@ def metadata_at(setting: str | int, bits: int, levels: str, default_group: bool,
     return 8 if bits in META8_WIDTHS and uniform and default_group and not budget else 16
 
 
-def fit_at(setting: str, key: bool, meta_bits: int | str, budget: bool) -> str:
+def fit_at(setting: str, key: bool, meta_bits: int | str) -> str:
     """How a tensor's 8-bit grid is fitted under the setting ``fit`` (minmax, mse or
-    auto). ``auto`` is mse for keys with 8-bit metadata at a fixed width, minmax otherwise
-    (a budget's calibration measures min-max grids): see kernels.layout.FIT_STEPS for what
-    it measured (mse values lost their extreme channels)."""
+    auto). ``auto`` is mse for keys whose metadata is, or may become, 8-bit (``meta_bits``
+    8, or ``auto`` under a stored-bits budget, where the calibration measures the fitted
+    grid and the fit applies only if the allocator chooses 8-bit metadata); minmax
+    otherwise. See kernels.layout.FIT_STEPS for what it measured (mse values lost their
+    extreme channels)."""
     if setting != "auto":
         return setting
-    return "mse" if key and meta_bits == 8 and not budget else "minmax"
+    return "mse" if key and meta_bits in (8, "auto") else "minmax"
 
 
 def levels_at(setting: str, bits: int) -> Literal["uniform", "normal"]:

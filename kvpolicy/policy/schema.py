@@ -279,11 +279,11 @@ class TensorPolicy(Frozen):
                 "meta_bits",
                 "levels",
             )
-        if self.fit == "mse" and self.meta_bits != 8 and not self.full_precision:
+        if self.fit == "mse" and self.meta_bits == 16 and not self.full_precision:
             raise invalid(
                 "fit",
-                "fit: mse searches the 8-bit scale table; use it with meta_bits: 8, or "
-                "fit: minmax",
+                "fit: mse searches the 8-bit scale table; use it with meta_bits: 8 (or auto "
+                "under a stored-bits budget), or fit: minmax",
                 "fit",
                 "meta_bits",
             )

@@ -144,7 +144,7 @@ class Defaults(Frozen):
     meta_bits: Literal[16, 8, "auto"] = "auto"
     # How a group's 8-bit grid is fitted (kernels.layout): minmax, mse (the least squared
     # error among the min-max scale and the table steps below it; 8-bit metadata only) or
-    # auto (rules.fit_at: mse for keys with 8-bit metadata outside a stored-bits budget).
+    # auto (rules.fit_at: mse for keys whose metadata is or may become 8-bit).
     fit: Literal["minmax", "mse", "auto"] = "auto"
 
     @field_validator("bits")

@@ -62,6 +62,7 @@ def test_cheap_8_bit_metadata_is_chosen_and_the_cache_runs_it(measured, ids):
     assert all(t.group_size <= 64 for t in keys)
     assert policy.avg_stored_bits() <= 3.0 + 1e-9
     assert all(t.code_levels == "uniform" for t in keys)
+    assert {t.fit for t in keys} == {"mse"}  # fit: auto fits keys with 8-bit metadata
     compiled = kvpolicy.compile_model(model, policy=SPEC, calibration=cheap, progress=False)
     with torch.no_grad():
         cache = compiled(ids[:, :160], use_cache=True).past_key_values
@@ -69,6 +70,7 @@ def test_cheap_8_bit_metadata_is_chosen_and_the_cache_runs_it(measured, ids):
     for i, layer in enumerate(cache.layers):
         assert layer.packed.key_spec.meta_bits == 8
         assert layer.packed.key_spec == policy.get(i, "key").quant_spec()
+        assert layer.packed.key_spec.fit == "mse"
         assert layer.packed.n_packed > 0
 
 
@@ -78,6 +80,20 @@ def test_dear_8_bit_metadata_is_left_alone(measured):
                                     progress=False)
     assert {t.meta_bits for t in policy.tensors} == {16}
     assert all("meta_bits: auto chose 16" in t.reason for t in policy.tensors)
+    assert {t.fit for t in policy.tensors} == {"minmax"}  # nothing to fit at 16 bits
+
+
+def test_the_calibration_measures_keys_8_bit_grids_as_fitted(measured, ids):
+    """fit: auto (mse for keys) is what the 8-bit key rows measure; a min-max calibration
+    measures other key errors and the same value errors."""
+    spec = {"defaults": {**SPEC["defaults"], "fit": "minmax"}}
+    minmax = kvpolicy.derive_policy(tiny_model("llama"), policy=spec, calibration=ids,
+                                    progress=False).calibration
+    assert minmax.settings != measured.calibration.settings
+    for a, b in zip(measured.calibration.layers, minmax.layers, strict=True):
+        assert a.key_meta8_groups != b.key_meta8_groups
+        assert a.value_meta8_groups == b.value_meta8_groups
+        assert a.key_groups == b.key_groups  # 16-bit metadata has no fit
 
 
 def test_a_calibration_without_8_bit_errors_is_refused_for_meta_bits_auto(measured):

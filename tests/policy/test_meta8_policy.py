@@ -132,11 +132,18 @@ def test_fit_auto_is_mse_for_keys_with_8_bit_metadata_at_a_fixed_width():
     assert key.quant_spec().fit == "mse" and value.quant_spec().fit == "minmax"
     assert "grid fitted by least squared error" in key.reason
     assert "least squared error" not in value.reason
-    # fp16 metadata, or a budget (its calibration measures min-max grids): min-max.
-    for spec in ({"defaults": {"meta_bits": 16}}, {"defaults": {"bits": 2.5}},
-                 {"defaults": {"stored_bits": 3.0}},
-                 {"defaults": {"bits": 2.5, "group_size": 16, "meta_bits": 8}}):
+    # fp16 metadata (also a code-bits budget's): min-max.
+    for spec in ({"defaults": {"meta_bits": 16}}, {"defaults": {"bits": 2.5}}):
         assert {t.fit for t in build(spec).tensors} == {"minmax"}, spec
+    # 8-bit metadata under a budget, or metadata a stored-bits budget may make 8-bit: the
+    # keys are fitted (the calibration measures the fitted grid), the values are not.
+    for spec in ({"defaults": {"stored_bits": 3.0}},
+                 {"defaults": {"bits": 2.5, "group_size": 16, "meta_bits": 8}}):
+        policy = build(spec)
+        assert {t.fit for t in policy.tensors if t.tensor.value == "key"} == {"mse"}, spec
+        assert {t.fit for t in policy.tensors if t.tensor.value == "value"} == {"minmax"}
+    assert "where the budget chooses 8-bit metadata" in build(
+        {"defaults": {"stored_bits": 3.0}}).get(0, "key").reason
 
 
 def test_fit_is_a_yaml_key_per_tensor_and_part_of_the_calibration_key():
