@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--retrieval", type=int, default=None, metavar="L",
                     help="retrieval check: --passages passages of L pydoc tokens, each followed "
                     "by itself, scored on the second copy (top-1 accuracy, perplexity) for fp, "
-                    "the derived policy, budget 2.5 and quanto; 0 skips it (default "
+                    "the derived policy, budget 2.5, the stored-bits budgets and quanto; 0 "
+                    "skips it (default "
                     f"{evaluation.RETRIEVAL_TOKENS}, or half the model's positions if fewer; "
                     "about L decode steps per run)")
     ev.add_argument("--passages", type=int, default=None, metavar="N",

@@ -293,7 +293,7 @@ def evaluate(
         frontier["stored"], stored_cal = stored_calibration(load, specs, cal_input, notes,
                                                             progress)
         for name, spec in specs:
-            run_policy(name, "stored", spec, calibration=stored_cal)
+            run_policy(name, "stored", spec, calibration=stored_cal, retrieve=True)
 
     if peers:
         peer_rows, peer_retrieved = _peer_runs(load, segs, context, steps, fp.perplexity, user,

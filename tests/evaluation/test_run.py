@@ -146,10 +146,12 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
     assert derived.kl > 0 and 0 <= derived.top1_agreement <= 1
     assert all(r.kl is not None and r.top1_agreement is not None for r in report.runs)
     assert data["runs"][1]["kl"] == derived.kl
-    # Retrieval: fp, the derived policy, its normal-keys ablation and budget 2.5 (quanto
-    # needs peers), each over the second copy after the prefill: 2 passages x (48 - 16).
+    # Retrieval: fp, the derived policy, its normal-keys ablation, budget 2.5 and the
+    # stored-bits budgets (quanto needs peers), each over the second copy after the
+    # prefill: 2 passages x (48 - 16).
     assert [r.name for r in report.retrieval] == [
-        "full precision (DynamicCache)", "derived policy", "normal levels, keys", "budget 2.5"]
+        "full precision (DynamicCache)", "derived policy", "normal levels, keys", "budget 2.5",
+        "stored budget 2.5", "stored budget 3"]
     assert report.retrieval_setup == {"passages": 2, "length": 48, "prefix": 16, "steps": 32,
                                       "source": "random"}
     assert all(r.tokens == 64 and 0 <= r.top1 <= 1 for r in report.retrieval)
