@@ -46,6 +46,7 @@ from ..policy import (
     metadata_at,
     packed_bytes_per_element,
 )
+from ..policy.rules import META8_ROTATE_VALUES, META8_WIDTHS
 from ..zoo import text
 from ..zoo.tiny import tiny_model
 from .axis_study import consumed_study
@@ -65,10 +66,10 @@ log = logging.getLogger(__name__)
 FRONTIER_BUDGETS: tuple[float, ...] = (2.25, 2.5, 3.0)
 # The budget of the retrieval rows (one of FRONTIER_BUDGETS: its run is reused).
 RETRIEVAL_BUDGET = 2.5
-# Ablations that also run the retrieval check: normal levels on the keys, where perplexity
-# and KL disagree (kvpolicy.policy.rules.levels_at), and the fp16 metadata that the 2-bit
-# default replaced.
-RETRIEVAL_ABLATIONS = ("normal levels, keys", "fp16 metadata, groups of 32")
+# Ablations that also run the retrieval check: what the 2-bit default replaced, fp16
+# metadata in groups of 32 and 8-bit metadata in groups of 16 for keys and values alike
+# (kvpolicy.policy.rules.META8_GROUPS).
+RETRIEVAL_ABLATIONS = ("fp16 metadata, groups of 32", "groups of 16 (8-bit metadata)")
 # Default passage length of the retrieval check; ``quick`` uses QUICK_RETRIEVAL_TOKENS.
 RETRIEVAL_TOKENS = 1024
 QUICK_RETRIEVAL_TOKENS = 48
@@ -87,10 +88,18 @@ def ablations(bits: int | float) -> list[tuple[str, str, dict[str, Any]]]:
         ("K token / V channel", "axes",
          {"overrides": [{**key, "axis": "token"}, {**value, "axis": "channel"}]}),
         ("keys post-RoPE", "rope", {"overrides": [{**key, "pre_rope": False}]}),
+        # One of the two is the derived run (values are rotated by default where the 2-bit
+        # default stores 8-bit metadata, rules.META8_ROTATE_VALUES).
         ("values rotated (Hadamard)", "rotation", {"defaults": {"rotation": "hadamard"}}),
-        # What the 2-bit default's 8-bit metadata in groups of 16 replaced, at the same
-        # stored bits (kvpolicy.policy.rules.META8_WIDTHS).
+        ("values not rotated", "rotation", {"defaults": {"rotation": "none"}}),
+        # What the 2-bit default replaced, at 3.0 stored bits (its own: 2.92): fp16 metadata
+        # in groups of 32, and 8-bit metadata in groups of 16 for both tensors
+        # (kvpolicy.policy.rules.META8_WIDTHS, META8_GROUPS).
         ("fp16 metadata, groups of 32", "metadata", {"defaults": {"meta_bits": 16}}),
+        *([("groups of 16 (8-bit metadata)", "metadata",
+            {"overrides": [{**key, "group_size": 16, "meta_bits": 8},
+                           {**value, "group_size": 16, "meta_bits": 8}]})]
+          if isinstance(bits, int) and bits in META8_WIDTHS else []),
         ("normal levels, keys", "levels", {"overrides": [{**key, "levels": "normal"}]}),
         ("normal levels, keys and values", "levels", {"defaults": {"levels": "normal"}}),
         ("residual 0", "residual", {"defaults": {"residual": 0}}),
@@ -399,7 +408,11 @@ def _fixed_meta(d: Defaults) -> Defaults:
         return d
     meta = metadata_at(d.meta_bits, d.bits, d.levels, "group_size" not in d.model_fields_set,
                        is_budget(d.bits))
-    return d.model_copy(update={"meta_bits": meta})
+    update: dict[str, Any] = {"meta_bits": meta}
+    if (meta == 8 and d.meta_bits == "auto" and META8_ROTATE_VALUES
+            and "rotation" not in d.model_fields_set):
+        update["rotation"] = "hadamard"  # what derive does for a power-of-two head_dim
+    return d.model_copy(update=update)
 
 
 def _spec_dict(policy: Any, bits: int | float) -> dict[str, Any]:

@@ -23,6 +23,8 @@ from .rules import (
     BUDGET_WIDTHS,
     FULL_PRECISION,
     GROUP_CHOICES,
+    META8_GROUPS,
+    META8_ROTATE_VALUES,
     Axis,
     TensorKind,
     byte_aligned,
@@ -190,11 +192,15 @@ def _reason(
         )
     if meta_from is not None:
         bits = values["bits"]
+        key, value = META8_GROUPS[TensorKind.KEY], META8_GROUPS[TensorKind.VALUE]
         parts.append(
-            f"meta_bits auto at {bits} bits: groups of {meta_from // 2} with 8-bit metadata "
-            f"store {stored_bits(bits, meta_from // 2, 8):g} bits per element, as groups of "
-            f"{meta_from} with fp16 metadata do, and measured closer to full precision "
-            "(docs/design.md §2)"
+            f"meta_bits auto at {bits} bits: 8-bit metadata, and the "
+            f"{stored_bits(bits, meta_from):.1f} stored bits per element of groups of "
+            f"{meta_from} with fp16 metadata split toward the keys, which recalling distant "
+            f"tokens depends on: keys in groups of {key} "
+            f"({stored_bits(bits, key, 8):.2f} bits), values in groups of {value} "
+            f"({stored_bits(bits, value, 8):.2f}, rotated where head_dim is a power of two); "
+            "measured closer to full precision (docs/design.md §2)"
         )
     if fallback_from is not None:
         parts.append(
@@ -296,7 +302,12 @@ def build_policy(
                                                   default_group, spec.budget is not None)
                 if values["meta_bits"] == 8:
                     meta_from = values["group_size"]
-                    values["group_size"] //= 2
+                    values["group_size"] = META8_GROUPS[kind]
+                    if (kind is TensorKind.VALUE and META8_ROTATE_VALUES
+                            and origins["rotation"] == _DEFAULTS
+                            and "rotation" not in d.model_fields_set
+                            and not tf.head_dim & (tf.head_dim - 1)):
+                        values["rotation"] = "hadamard"
             values["fit"] = fit_at(values["fit"], kind is TensorKind.KEY, values["meta_bits"])
             if values["rotation"] == "auto" and tf.head_dim & (tf.head_dim - 1):
                 values["rotation"] = "none"  # no Hadamard of this size: nothing to choose

@@ -87,13 +87,29 @@ class Frozen(BaseModel):
 # 1.093x, 1.102x against 1.121x. Not measured at other widths, so they keep fp16.
 META8_WIDTHS: frozenset[int] = frozenset({2})
 
+# The groups of a tensor whose meta_bits auto became 8 at a fixed width (kvpolicy chose
+# the group): the 3.0 stored bits per element of groups of 32 in fp16 are split toward the
+# keys, which a recall of distant tokens depends on (2 bits on SmolLM2, retrieval of
+# 2,048-token passages: keys at 4 bits kept 0.975x fp's top-1, values at 4 bits 0.814x,
+# both at 2 bits 0.801x). Keys in groups of 12 tokens store 3.33 bits per element, values
+# in groups of 32 channels 2.5, Hadamard-rotated where head_dim is a power of two
+# (META8_ROTATE_VALUES): 2.92 on average. NOTE: against groups of 16 for both (3.0):
+# perplexity x fp / KL / top-1 = fp 1.044 / 0.036 / 0.941 against 1.052 / 0.041 / 0.912
+# (4 pydoc segments, 768 + 128), 1.011 / 0.028 / 0.914 against 1.035 / 0.035 / 0.902
+# (2 segments, 3,072 + 256), 1.020 / 0.022 / 0.939 against 0.999 / 0.023 / 0.926
+# (typing.py); retrieval 0.828x fp against 0.801x. Without the rotation: 1.041 / 0.039 /
+# 0.932 and retrieval 0.800x on pydoc, 1.001 / 0.025 / 0.924 on typing.py.
+META8_GROUPS: dict[TensorKind, int] = {TensorKind.KEY: 12, TensorKind.VALUE: 32}
+META8_ROTATE_VALUES = True
+
 
 def metadata_at(setting: str | int, bits: int, levels: str, default_group: bool,
                 budget: bool = False) -> int:
     """The metadata width (16 or 8) a tensor at width ``bits`` stores under the setting
     ``meta_bits`` (16, 8 or auto), outside a stored-bits budget (whose allocator chooses).
     ``auto`` is 8 at ``META8_WIDTHS`` with uniform levels and kvpolicy's default group size
-    (``default_group``: none was written), which then halves; 16 otherwise, and under a
+    (``default_group``: none was written), whose group is then :data:`META8_GROUPS`'; 16
+    otherwise, and under a
     code-bits ``budget`` (one width of metadata for every tensor it allocates)."""
     if setting != "auto":
         return int(setting)

@@ -146,12 +146,13 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
     assert derived.kl > 0 and 0 <= derived.top1_agreement <= 1
     assert all(r.kl is not None and r.top1_agreement is not None for r in report.runs)
     assert data["runs"][1]["kl"] == derived.kl
-    # Retrieval: fp, the derived policy, its normal-keys ablation, budget 2.5 and the
+    # Retrieval: fp, the derived policy, its groups-of-16 ablation, budget 2.5 and the
     # stored-bits budgets (quanto needs peers), each over the second copy after the
-    # prefill: 2 passages x (48 - 16).
+    # prefill: 2 passages x (48 - 16). The quick policy writes fp16 metadata in groups of
+    # 16 already, so its fp16-metadata ablation is the derived run and scores nothing more.
     assert [r.name for r in report.retrieval] == [
-        "full precision (DynamicCache)", "derived policy", "normal levels, keys", "budget 2.5",
-        "stored budget 2.5", "stored budget 3"]
+        "full precision (DynamicCache)", "derived policy", "groups of 16 (8-bit metadata)",
+        "budget 2.5", "stored budget 2.5", "stored budget 3"]
     assert report.retrieval_setup == {"passages": 2, "length": 48, "prefix": 16, "steps": 32,
                                       "source": "random"}
     assert all(r.tokens == 64 and 0 <= r.top1 <= 1 for r in report.retrieval)
@@ -233,14 +234,29 @@ def test_the_metadata_ablation_is_the_derived_run_where_metadata_is_already_fp16
     assert run._same_as({"defaults": {"bits": 4, "meta_bits": 16}}, {"defaults": {"bits": 4}})
 
 
+def test_the_rotation_ablations_know_the_two_bit_default_rotates_values():
+    # bits=2 rotates its values where meta_bits auto becomes 8: a written "none" is an
+    # ablation and "hadamard" the derived run; at 4 bits the other way round.
+    two, four = {"defaults": {"bits": 2}}, {"defaults": {"bits": 4}}
+    assert run._same_as({"defaults": {"bits": 2, "rotation": "hadamard"}}, two)
+    assert not run._same_as({"defaults": {"bits": 2, "rotation": "none"}}, two)
+    assert run._same_as({"defaults": {"bits": 4, "rotation": "none"}}, four)
+    assert not run._same_as({"defaults": {"bits": 4, "rotation": "hadamard"}}, four)
+    names = [name for name, _, _ in run.ablations(2)]
+    assert "groups of 16 (8-bit metadata)" in names
+    assert "groups of 16 (8-bit metadata)" not in [name for name, _, _ in run.ablations(4)]
+    assert "groups of 16 (8-bit metadata)" not in [name for name, _, _ in run.ablations(2.5)]
+
+
 def test_the_policy_under_test_keeps_what_nobody_wrote_unwritten():
     # bits=2 without a policy: kvpolicy's group stays unwritten, so the derived run stores
-    # 8-bit metadata in groups of 16 as compile_model(bits=2) does; a preset's own values
-    # are written out.
+    # 8-bit metadata, keys in groups of 12 and values in groups of 32, rotated, as
+    # compile_model(bits=2) does; a preset's own values are written out.
     assert run._spec_dict(None, 2) == {"defaults": {"bits": 2}, "overrides": []}
     tensors = kvpolicy.derive_policy(tiny_model("llama"), policy=run._spec_dict(None, 2),
                                      progress=False).tensors
-    assert {(t.group_size, t.meta_bits) for t in tensors} == {(16, 8)}
+    assert {(t.tensor.value, t.group_size, t.meta_bits, t.rotation) for t in tensors} == {
+        ("key", 12, 8, "none"), ("value", 32, 8, "hadamard")}
     kivi = run._spec_dict("kivi-2", 2)
     assert kivi["defaults"]["meta_bits"] == 16 and "group_size" not in kivi["defaults"]
     tensors = kvpolicy.derive_policy(tiny_model("llama"), policy=kivi, progress=False).tensors

@@ -67,6 +67,18 @@ def test_meta8_matches_reference(cpp_calls, loads, store, group, kb, vb) -> None
 
 
 @pytest.mark.parametrize("store", STORES)
+def test_two_bit_default_keys_in_groups_of_12(cpp_calls, loads, store) -> None:
+    """compile_model(bits=2)'s specs: fitted keys in groups of 12 tokens (not a power of
+    two), values in groups of 32 channels, both 8-bit."""
+    dtype, rope = STORES[store]
+    c = Case(12, 32, 9, 3, dtype, rope)
+    ks = QuantSpec(2, 12, "channel", meta_bits=8, fit="mse")
+    vs = QuantSpec(2, 32, "token", meta_bits=8)
+    check_decode(cpp_calls, *decode_case(c, ks, vs, tk=12 * 20, tf=37, seed=12))
+    assert loads[-1][-2:] == (1, 1)
+
+
+@pytest.mark.parametrize("store", STORES)
 @pytest.mark.parametrize("meta", ((8, 16), (16, 8)))
 @pytest.mark.parametrize("kb,vb", ((2, 2), (3, 4)))
 def test_mixed_metadata_widths(cpp_calls, loads, store, meta, kb, vb) -> None:

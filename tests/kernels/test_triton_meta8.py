@@ -129,6 +129,18 @@ def test_decode_fast_paths(which):
     _check(_case(k_spec=k_spec, v_spec=v_spec, rope=_rope("rotate_half", 16), seed=1))
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_two_bit_default_keys_in_groups_of_12(splits):
+    # compile_model(bits=2)'s specs: fitted keys in groups of 12 tokens (not a power of two:
+    # a split starts on a multiple of lcm(16, 12) = 48 tokens), values in groups of 32.
+    k_spec = QuantSpec(2, 12, "channel", meta_bits=8, fit="mse")
+    v_spec = QuantSpec(2, 32, "token", meta_bits=8)
+    x = _data((1, 2, 48, 24), torch.float32, seed=21)
+    _assert_same(_tq().quantize(x, k_spec), ref.quantize(x, k_spec))
+    a = _case(k_spec=k_spec, v_spec=v_spec, tk=96, rope=_rope("rotate_half", 32), seed=13)
+    _check(a, num_splits=splits)
+
+
 def test_decode_gathers_flipped_axes_and_odd_head_dim():
     # Keys per token (3 bits, straddling bytes) and values per channel, head dim 48:
     # every tile by the generic gather.

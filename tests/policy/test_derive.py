@@ -41,20 +41,26 @@ def test_derived_axes_rope_and_reasons():
         True,
     )
     assert (value.axis, value.pre_rope, value.derived_pre_rope) == (Axis.TOKEN, False, False)
+    # meta_bits auto at 2 bits: 8-bit metadata, keys in groups of 12 tokens (3.33 stored
+    # bits), values in groups of 32 channels, rotated (2.5): 2.92 on average.
+    assert (key.group_size, key.rotation, key.fit) == (12, "none", "mse")
+    assert (value.group_size, value.rotation, value.fit) == (32, "hadamard", "minmax")
+    assert policy.avg_stored_bits() == pytest.approx((2 + 16 / 12 + 2 + 16 / 32) / 2)
     for t in (key, value):
-        # meta_bits auto at 2 bits: 8-bit metadata in groups of 16 (3.0 stored bits).
-        assert (t.bits, t.group_size, t.meta_bits, t.residual, t.sinks) == (2, 16, 8, 128, 4)
-        assert "meta_bits auto at 2 bits: groups of 16 with 8-bit metadata store 3 bits" in (
-            t.reason)
+        assert (t.bits, t.meta_bits, t.residual, t.sinks) == (2, 8, 128, 4)
+        assert ("the 3.0 stored bits per element of groups of 32 with fp16 metadata split "
+                "toward the keys") in t.reason
+        assert "keys in groups of 12 (3.33 bits), values in groups of 32 (2.50" in t.reason
         assert not t.overridden and t.derived_axis is t.axis and t.head_dim == 64
+    assert "Walsh-Hadamard" in value.reason and "Walsh-Hadamard" not in key.reason
     assert (key.rope, key.rope_style, key.rotary_dim) == ("rotate_half 64/64", "rotate_half", 64)
     assert value.rope is None and value.rotary_dim is None
     assert key.contraction.startswith("q·kᵀ over head_dim=64")
     assert "q·kᵀ sums over channels" in key.reason
-    assert "each channel gets its own scale (groups of 16 tokens)" in key.reason
+    assert "each channel gets its own scale (groups of 12 tokens)" in key.reason
     assert "quantized before rotate_half RoPE, which smears outlier channels" in key.reason
     assert "softmax·V sums over tokens" in value.reason
-    assert "each token gets its own scale (groups of 16 channels)" in value.reason
+    assert "each token gets its own scale (groups of 32 channels)" in value.reason
     assert policy.model == "tiny" and policy.source == "kvpolicy-2" and policy.version == 1
 
 
@@ -150,13 +156,12 @@ def test_defaults_pre_rope_means_where_rope_exists():
     assert not policy.get(0, "key").pre_rope and policy.get(1, "key").pre_rope
 
 
-# head_dim, bits -> the largest G <= the default group (16 at 2 bits with 8-bit metadata,
-# else 32) that divides head_dim with G*bits a multiple of 8, among powers of two and
-# head_dim itself (20 and 24 would fit 80 and 48 at 2 bits, but the kernels pad a group to
-# the next power of two).
+# head_dim, bits -> the largest G <= the default group (32 for values) that divides
+# head_dim with G*bits a multiple of 8, among powers of two and head_dim itself (20 would
+# fit 80 at 2 bits, but the kernels pad a group to the next power of two).
 @pytest.mark.parametrize(
     "head_dim, bits, expected",
-    [(80, 2, 16), (16, 2, 16), (40, 2, 8), (24, 2, 8), (80, 3, 16), (12, 4, 12), (80, 4, 16)],
+    [(80, 2, 16), (16, 2, 16), (40, 2, 8), (24, 2, 24), (80, 3, 16), (12, 4, 12), (80, 4, 16)],
 )
 @pytest.mark.parametrize("policy", [None, "kvpolicy-2", {"defaults": {"sinks": 0}}])
 def test_default_group_size_shrinks_to_fit_head_dim(policy, head_dim, bits, expected):
@@ -165,28 +170,33 @@ def test_default_group_size_shrinks_to_fit_head_dim(policy, head_dim, bits, expe
     facts = model_facts(2, head_dim=head_dim, rope=None)
     built = build(policy, bits=bits, facts=facts)
     key, value = built.get(1, "key"), built.get(1, "value")
-    default = 16 if bits == 2 else 32
+    default = 32
     assert {key.meta_bits, value.meta_bits} == {8 if bits == 2 else 16}
     assert (value.axis, value.group_size, value.overridden) == (Axis.TOKEN, expected, False)
     assert f"groups of {expected} channels" in value.reason
     shrunk = f"group {expected}: the default {default} does not divide head_dim={head_dim}"
     assert (shrunk in value.reason) == (expected != default)
-    # Per-channel keys group tokens, so head_dim does not constrain them.
-    assert (key.group_size, key.overridden) == (default, False)
+    # Per-channel keys group tokens, so head_dim does not constrain them (12 at 2 bits with
+    # 8-bit metadata).
+    assert (key.group_size, key.overridden) == (12 if bits == 2 else 32, False)
     assert "does not divide" not in key.reason
 
 
 @pytest.mark.parametrize("head_dim", [16, 80])
 def test_default_group_size_shrinks_for_presets(head_dim):
     facts = model_facts(2, head_dim=head_dim)
-    # kivi-2 pins fp16 metadata, so its default group is 32 and shrinks; kvpolicy-2's
-    # 8-bit metadata comes with groups of 16, which fit.
+    # kivi-2 pins fp16 metadata, so its default group is 32 and shrinks; so does
+    # kvpolicy-2's value group of 32 with 8-bit metadata (its keys group tokens: any fits).
+    # Only a power-of-two head_dim has a Hadamard rotation.
     value = build("kivi-2", facts=facts).get(0, "value")
     assert (value.group_size, value.meta_bits, value.overridden) == (16, 16, False)
     assert f"the default 32 does not divide head_dim={head_dim}" in value.reason
-    value = build("kvpolicy-2", facts=facts).get(0, "value")
+    policy = build("kvpolicy-2", facts=facts)
+    value = policy.get(0, "value")
     assert (value.group_size, value.meta_bits, value.overridden) == (16, 8, False)
-    assert "does not divide" not in value.reason
+    assert f"the default 32 does not divide head_dim={head_dim}" in value.reason
+    assert value.rotation == ("hadamard" if head_dim == 16 else "none")
+    assert policy.get(0, "key").group_size == 12
     # A preset's rules that pin the derived axis leave the fallback alone; an axis rule that
     # makes keys per-token shrinks their (default) group too, and only the axis overrides.
     spec = {"defaults": {"meta_bits": 16},
@@ -232,7 +242,7 @@ def test_default_group_size_without_a_fitting_size_is_still_an_error():
     raises(
         None,
         "kvpolicy-2, defaults, field 'group_size'",
-        "16 does not divide head_dim=6",
+        "32 does not divide head_dim=6",
         facts=model_facts(1, head_dim=6, rope=None),
     )
 

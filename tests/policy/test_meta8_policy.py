@@ -10,11 +10,17 @@ from kvpolicy.errors import PolicyError
 from kvpolicy.kernels.layout import QuantSpec
 
 
-def test_meta_bits_default_is_8_bits_in_groups_of_16_at_2_bits_only():
+def test_meta_bits_default_is_8_bits_at_2_bits_only_with_groups_split_toward_keys():
     policy = build()
     assert {t.meta_bits for t in policy.tensors} == {8}
-    assert policy.tensors[0].quant_spec() == QuantSpec(2, 16, "channel", "uniform", 8, "mse")
-    assert policy.avg_stored_bits() == pytest.approx(3.0)
+    assert policy.tensors[0].quant_spec() == QuantSpec(2, 12, "channel", "uniform", 8, "mse")
+    assert policy.tensors[1].quant_spec() == QuantSpec(2, 32, "token", "uniform", 8, "minmax")
+    assert policy.tensors[1].rotation == "hadamard"
+    # Under the 3.0 stored bits of groups of 32 with fp16 metadata.
+    assert policy.avg_stored_bits() == pytest.approx(35 / 12)
+    assert policy.avg_stored_bits() < build({"defaults": {"meta_bits": 16}}).avg_stored_bits()
+    # A rotation written anywhere is the user's: none stays none.
+    assert build({"defaults": {"rotation": "none"}}).tensors[1].rotation == "none"
     # Other widths, a written group size, normal levels, fp16 pinned: the cache dtype.
     for spec in ({"defaults": {"bits": 3}}, {"defaults": {"bits": 4}},
                  {"defaults": {"group_size": 32}}, {"defaults": {"levels": "normal"}},
@@ -23,14 +29,15 @@ def test_meta_bits_default_is_8_bits_in_groups_of_16_at_2_bits_only():
         assert {t.meta_bits for t in tensors} == {16}, spec
         assert {t.group_size for t in tensors} == {32}, spec
     # A rule's width decides per tensor: 2 bits under a 4-bit default takes 8-bit metadata
-    # and groups of 16, a 4-bit rule under the 2-bit default fp16 metadata and groups of 32.
+    # and groups of 12, a 4-bit rule under the 2-bit default fp16 metadata and groups of 32.
     mixed = build({"defaults": {"bits": 4},
                    "overrides": [{"layers": 0, "tensor": "key", "bits": 2}]})
-    assert (mixed.get(0, "key").meta_bits, mixed.get(0, "key").group_size) == (8, 16)
+    assert (mixed.get(0, "key").meta_bits, mixed.get(0, "key").group_size) == (8, 12)
     assert (mixed.get(0, "value").meta_bits, mixed.get(0, "value").group_size) == (16, 32)
+    assert mixed.get(0, "value").rotation == "none"
     mixed = build({"overrides": [{"layers": 0, "tensor": "key", "bits": 4}]})
     assert (mixed.get(0, "key").meta_bits, mixed.get(0, "key").group_size) == (16, 32)
-    assert (mixed.get(1, "key").meta_bits, mixed.get(1, "key").group_size) == (8, 16)
+    assert (mixed.get(1, "key").meta_bits, mixed.get(1, "key").group_size) == (8, 12)
 
 
 def test_meta_bits_8_halves_the_metadata_in_spec_bytes_and_table():

@@ -20,10 +20,11 @@ def test_table_groups_identical_layers_and_shows_values():
     assert len(rows) == 2  # layers 0-3 are identical: one key row, one value row
     # Footer: the achieved average and the packed bytes per token against fp16.
     assert lines[-1].startswith("average 2.000 code bits per cached element;")
-    assert "5.33x smaller" in lines[-1]  # 2 bits + 8-bit scale and zero per 16 = 3 bits
-    assert rows[0][:12] == ["0-3", "key", "channel", "2", "16", "uniform", "8", "mse", "yes",
+    # 2 bits + 8-bit scale and zero per 12 tokens (keys) or 32 channels (values): 2.92 bits.
+    assert "5.49x smaller" in lines[-1]
+    assert rows[0][:12] == ["0-3", "key", "channel", "2", "12", "uniform", "8", "mse", "yes",
                             "128", "4", "-"]
-    assert rows[1][:12] == ["0-3", "value", "token", "2", "16", "uniform", "8", "minmax", "-",
+    assert rows[1][:12] == ["0-3", "value", "token", "2", "32", "uniform", "8", "minmax", "-",
                             "128", "4", "-"]
     assert "q·kᵀ sums over channels" in lines[3]
 
