@@ -29,8 +29,8 @@ def ranges(layers: Sequence[int]) -> str:
 
 
 _COLUMNS = (
-    "layers", "tensor", "axis", "bits", "G", "levels", "meta", "fit", "pre-RoPE", "R",
-    "sinks", "override",
+    "layers", "tensor", "axis", "bits", "G", "levels", "meta", "fit", "rotation", "pre-RoPE",
+    "R", "sinks", "override",
 )
 
 
@@ -49,6 +49,7 @@ def _row(label: str, t: Any) -> list[str]:
         "-" if t.full_precision else t.code_levels,
         "-" if t.full_precision else str(t.meta_bits),
         "-" if t.full_precision or t.stored_meta_bits != 8 else t.fit,
+        "-" if t.rotation == "none" else t.rotation,
         pre_rope,
         str(t.residual),
         str(t.sinks),
