@@ -87,9 +87,9 @@ def attention(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, mask=False, bl
 
 
 def decode(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, k_lut=False, v_lut=False,
-           k_m8=False, v_m8=False):
-    """One variant of the fused decode kernel (both segments, fp16 cache)."""
-    g = 32
+           k_m8=False, v_m8=False, kg=32, vg=32):
+    """One variant of the fused decode kernel (both segments, fp16 cache); ``kg``/``vg``:
+    the key and value group sizes."""
     ints = {n: 64 for n in td._decode_kernel.arg_names}
     ints.update(q_len=1, sq_d=1, skc_2=1, sks_1=1, svc_2=1, svs_1=1, sp_t=1, sfk_d=1, sfv_d=1,
                 sfp_t=1, sr_d=1, n_rows=gqa)
@@ -99,10 +99,10 @@ def decode(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, k_lut=False, v_lu
         fv_ptr="*fp16", fpos_ptr="*i64", fmask_ptr="*fp32", cos_ptr="*fp16", sin_ptr="*fp16",
         out_ptr="*fp32", lse_ptr="*fp32",
     )
-    kspec, vspec = ta.QuantSpec(kb, g, kaxis), ta.QuantSpec(vb, g, vaxis)
+    kspec, vspec = ta.QuantSpec(kb, kg, kaxis), ta.QuantSpec(vb, vg, vaxis)
     consts = dict(
-        GQA=gqa, DK=d, DV=d, K_BITS=kb, K_GROUP=g, K_CHANNEL=kaxis == "channel",
-        V_BITS=vb, V_GROUP=g, V_CHANNEL=vaxis == "channel",
+        GQA=gqa, DK=d, DV=d, K_BITS=kb, K_GROUP=kg, K_CHANNEL=kaxis == "channel",
+        V_BITS=vb, V_GROUP=vg, V_CHANNEL=vaxis == "channel",
         K_FAST=ta._fast_layout(kspec, "channel", d), V_FAST=ta._fast_layout(vspec, "token", d),
         ROPE=rope, ROT_DIM=rot, HAS_PACKED=True, HAS_FP=True, HAS_MASK=False,
         HAS_FP_MASK=False, SOFTCAP=False, DOT_F32=qdt == "fp32", MATH_F16=qdt == "fp16",
@@ -180,6 +180,13 @@ def main() -> int:
         # fit mse: the quantizer's search over coarser centred grids (kvpolicy-2's keys)
         ("quantize 2-bit 8-bit metadata, fit mse",
          lambda: quantize(2, 16, "fp16", meta8=True, fit=3)),
+        # compile_model(bits=2): fitted keys in groups of 12 tokens (not a power of two),
+        # values in groups of 32 channels, both 8-bit
+        ("decode fp16 K2ch G12 V2tok G32 8-bit metadata",
+         lambda: decode("fp16", 2, "channel", 2, "token", 1, 128, k_m8=True, v_m8=True,
+                        kg=12)),
+        ("quantize 2-bit groups of 12, 8-bit metadata, fit mse",
+         lambda: quantize(2, 12, "fp16", meta8=True, fit=3)),
     ]
     for name, build in variants:
         build()
