@@ -66,9 +66,7 @@ log = logging.getLogger(__name__)
 FRONTIER_BUDGETS: tuple[float, ...] = (2.25, 2.5, 3.0)
 # The budget of the retrieval rows (one of FRONTIER_BUDGETS: its run is reused).
 RETRIEVAL_BUDGET = 2.5
-# Ablations that also run the retrieval check: what the 2-bit default replaced, fp16
-# metadata in groups of 32 and 8-bit metadata in groups of 16 for keys and values alike
-# (kvpolicy.policy.rules.META8_GROUPS).
+# Ablations that also run the retrieval check: what the 2-bit default replaced.
 RETRIEVAL_ABLATIONS = ("fp16 metadata, groups of 32", "groups of 16 (8-bit metadata)")
 # Default passage length of the retrieval check; ``quick`` uses QUICK_RETRIEVAL_TOKENS.
 RETRIEVAL_TOKENS = 1024
@@ -88,13 +86,10 @@ def ablations(bits: int | float) -> list[tuple[str, str, dict[str, Any]]]:
         ("K token / V channel", "axes",
          {"overrides": [{**key, "axis": "token"}, {**value, "axis": "channel"}]}),
         ("keys post-RoPE", "rope", {"overrides": [{**key, "pre_rope": False}]}),
-        # One of the two is the derived run (values are rotated by default where the 2-bit
-        # default stores 8-bit metadata, rules.META8_ROTATE_VALUES).
+        # One of the two is the derived run (rules.META8_ROTATE_VALUES).
         ("values rotated (Hadamard)", "rotation", {"defaults": {"rotation": "hadamard"}}),
         ("values not rotated", "rotation", {"defaults": {"rotation": "none"}}),
-        # What the 2-bit default replaced, at 3.0 stored bits (its own: 2.92): fp16 metadata
-        # in groups of 32, and 8-bit metadata in groups of 16 for both tensors
-        # (kvpolicy.policy.rules.META8_WIDTHS, META8_GROUPS).
+        # What the 2-bit default replaced, at 3.0 stored bits (rules.META8_GROUPS).
         ("fp16 metadata, groups of 32", "metadata", {"defaults": {"meta_bits": 16}}),
         *([("groups of 16 (8-bit metadata)", "metadata",
             {"overrides": [{**key, "group_size": 16, "meta_bits": 8},
