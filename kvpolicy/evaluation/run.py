@@ -46,7 +46,7 @@ from ..policy import (
     metadata_at,
     packed_bytes_per_element,
 )
-from ..policy.rules import META8_ROTATE_VALUES, META8_WIDTHS
+from ..policy.rules import META8_WIDTHS, meta8_rotates_values
 from ..zoo import text
 from ..zoo.tiny import tiny_model
 from .axis_study import consumed_study
@@ -404,8 +404,7 @@ def _fixed_meta(d: Defaults) -> Defaults:
     meta = metadata_at(d.meta_bits, d.bits, d.levels, "group_size" not in d.model_fields_set,
                        is_budget(d.bits))
     update: dict[str, Any] = {"meta_bits": meta}
-    if (meta == 8 and d.meta_bits == "auto" and META8_ROTATE_VALUES
-            and "rotation" not in d.model_fields_set):
+    if meta8_rotates_values(d.meta_bits, meta, "rotation" in d.model_fields_set):
         update["rotation"] = "hadamard"  # what derive does for a power-of-two head_dim
     return d.model_copy(update=update)
 

@@ -24,13 +24,13 @@ from .rules import (
     FULL_PRECISION,
     GROUP_CHOICES,
     META8_GROUPS,
-    META8_ROTATE_VALUES,
     Axis,
     TensorKind,
     byte_aligned,
     fallback_group_size,
     fit_at,
     join_or,
+    meta8_rotates_values,
     metadata_at,
     stored_bits,
     token_group_sizes,
@@ -303,10 +303,10 @@ def build_policy(
                 if values["meta_bits"] == 8:
                     meta_from = values["group_size"]
                     values["group_size"] = META8_GROUPS[kind]
-                    if (kind is TensorKind.VALUE and META8_ROTATE_VALUES
-                            and origins["rotation"] == _DEFAULTS
-                            and "rotation" not in d.model_fields_set
-                            and not tf.head_dim & (tf.head_dim - 1)):
+                    written = (origins["rotation"] != _DEFAULTS
+                               or "rotation" in d.model_fields_set)
+                    if (kind is TensorKind.VALUE and not tf.head_dim & (tf.head_dim - 1)
+                            and meta8_rotates_values("auto", 8, written)):
                         values["rotation"] = "hadamard"
             values["fit"] = fit_at(values["fit"], kind is TensorKind.KEY, values["meta_bits"])
             if values["rotation"] == "auto" and tf.head_dim & (tf.head_dim - 1):

@@ -103,14 +103,22 @@ META8_GROUPS: dict[TensorKind, int] = {TensorKind.KEY: 12, TensorKind.VALUE: 32}
 META8_ROTATE_VALUES = True
 
 
+def meta8_rotates_values(meta_setting: str | int, meta_bits: int, rotation_written: bool) -> bool:
+    """Whether values take ``META8_ROTATE_VALUES``'s Hadamard rotation: their ``meta_bits:
+    auto`` became 8 at a fixed width (``META8_GROUPS``) and nobody wrote a rotation. The
+    rotation also needs a power-of-two head_dim, which the caller checks where it knows it."""
+    return (META8_ROTATE_VALUES and meta_setting == "auto" and meta_bits == 8
+            and not rotation_written)
+
+
 def metadata_at(setting: str | int, bits: int, levels: str, default_group: bool,
                 budget: bool = False) -> int:
     """The metadata width (16 or 8) a tensor at width ``bits`` stores under the setting
     ``meta_bits`` (16, 8 or auto), outside a stored-bits budget (whose allocator chooses).
     ``auto`` is 8 at ``META8_WIDTHS`` with uniform levels and kvpolicy's default group size
-    (``default_group``: none was written), whose group is then :data:`META8_GROUPS`'; 16
-    otherwise, and under a
-    code-bits ``budget`` (one width of metadata for every tensor it allocates)."""
+    (``default_group``: none was written), whose group is then :data:`META8_GROUPS`; 16
+    otherwise, and under a code-bits ``budget`` (one width of metadata for every tensor it
+    allocates)."""
     if setting != "auto":
         return int(setting)
     uniform = levels_at(levels, bits) == "uniform"
