@@ -18,6 +18,7 @@ import torch
 import triton
 
 from ..errors import CacheError
+from . import reference
 from .layout import Packed, QuantSpec, RotarySpec, scale_table, thresholds
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "keep_attention_config", "packed_dims", "kernel_strides", "inner_extent", "fast_layout",
     "choose_splits", "plan_splits", "dots_in_fp32", "rope_arguments", "mask_arguments",
     "check_softcap", "channel_blocks", "level_lut", "threshold_table", "meta_table",
+    "width_table",
 ]
 
 ROPE_STYLES = {None: 0, "rotate_half": 1, "interleaved": 2}
@@ -367,6 +369,13 @@ def meta_table(*specs: QuantSpec, device: torch.device) -> torch.Tensor | None:
     if not any(spec.meta8 for spec in specs):
         return None
     return _device_table("scales", 8, scale_table(), device)
+
+
+def width_table(spec: QuantSpec, device: torch.device) -> torch.Tensor | None:
+    """Per-channel key widths (``spec.widths``) as the decode kernel reads them
+    (:func:`kvpolicy.kernels.reference.width_table`); None without them (``K_WID``
+    False)."""
+    return None if spec.widths is None else reference.width_table(spec, device)
 
 
 def check_softcap(softcap: float | None) -> None:

@@ -54,6 +54,9 @@ struct Params {
   // 8-bit metadata: the 256 fp32 scales an index stands for (layout.scale_table), non-null
   // exactly when built with KVP_KM8 or KVP_VM8
   const float* stab;
+  // per-channel key widths (layout.QuantSpec.widths): [Hkv, Dk, 2] int32, each channel's
+  // width and the bit its first code starts at in a group's stream; null: KVP_KB for all
+  const int32_t* kwid;
 };
 }
 
@@ -286,7 +289,24 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
         alignas(64) float sc[Dk], zc[Dk];
         group_meta<KM8>(P.stab, P.ks, b * P.ks_sb + h * P.ks_sh + grp * Dk, P.kz,
                         b * P.kz_sb + h * P.kz_sh + grp * Dk, Dk, sc, zc);
-        for (int u = 0; u < Gk / KU::per; ++u) {
+        if (P.kwid) {
+          // Per-channel widths: channel d's Gk codes follow each other in the group's byte
+          // stream from bit wt[2d + 1], wt[2d] bits each (uniform levels only).
+          const int32_t* wt = P.kwid + h * Dk * 2;
+          for (int64_t d = 0; d < Dk; ++d) {
+            const int w = wt[2 * d];
+            const uint32_t m = (1u << w) - 1u;
+            int64_t bit = wt[2 * d + 1];
+            for (int64_t t = 0; t < Gk; ++t, bit += w) {
+              const int64_t at = bit >> 3;
+              const int sh = (int)(bit & 7);
+              uint32_t word = codes[at];
+              if (sh + w > 8) word |= (uint32_t)codes[at + 1] << 8;
+              K[t * Dk + d] = (float)((word >> sh) & m) * sc[d] + zc[d];
+            }
+          }
+        }
+        for (int u = 0; u < (P.kwid ? 0 : Gk / KU::per); ++u) {
           const uint8_t* row = codes + (int64_t)u * KU::bytes * Dk;
           for (int64_t d = 0; d < Dk; ++d) {
             uint32_t w = row[d];

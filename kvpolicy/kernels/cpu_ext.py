@@ -111,6 +111,7 @@ class Params(ctypes.Structure):
         ("softcap", ctypes.c_float),
         ("klut", ctypes.c_void_p), ("vlut", ctypes.c_void_p),
         ("stab", ctypes.c_void_p),
+        ("kwid", ctypes.c_void_p),
     ]
 
 

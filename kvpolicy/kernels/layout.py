@@ -77,6 +77,17 @@ straddle byte boundaries: 32 codes take 12 bytes, no padding to 4 bits.
 
 ``bits == 16`` means "kept in full precision": the segment is stored as the plain tensor.
 
+Per-channel widths (``QuantSpec.widths``; axis "channel", uniform levels): channel ``d``
+of kv head ``h`` takes ``widths[h][d]`` bits (:data:`CHANNEL_WIDTHS`), each head's widths
+summing to ``bits * D``, so a group holds as many bytes as at the uniform width and the
+shapes above do not change. Only the order inside a group differs: the
+``G * bits // 8 * D`` bytes of one group (the last two dims, in memory order) are one bit
+stream in which channel ``d``'s G codes follow each other, token ``t``'s code at bit
+``G * off[h][d] + t * widths[h][d]`` with ``off[h][d] = sum(widths[h][:d])``
+(:func:`channel_offsets`). Scale and zero are per group and channel as above, with
+``2**widths[h][d] - 1`` steps. A key is contracted over channels, so its error in channel
+``d`` costs about ``E[q_d²] · step_d²``: the widths follow where the queries look.
+
 This module is the one home of these facts (:data:`SUPPORTED_BITS`, :data:`FULL_PRECISION`,
 :func:`byte_aligned`). It imports torch only for type checking, so the policy schema can
 import them without loading torch.
@@ -96,13 +107,27 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SUPPORTED_BITS", "FULL_PRECISION", "LEVELS", "NORMAL_LEVELS", "META_BITS", "ZERO_STEPS",
-    "byte_aligned", "level_table", "thresholds", "scale_table", "QuantSpec", "Packed",
-    "RotarySpec",
+    "CHANNEL_WIDTHS", "channel_offsets", "byte_aligned", "level_table", "thresholds",
+    "scale_table", "QuantSpec", "Packed", "RotarySpec",
 ]
 
 # The code widths the packed layout supports; 16 means "kept in full precision".
 SUPPORTED_BITS: tuple[int, ...] = (1, 2, 3, 4, 8, 16)
 FULL_PRECISION = 16
+
+
+# The widths one key channel may take under per-channel widths (QuantSpec.widths).
+CHANNEL_WIDTHS: tuple[int, ...] = (1, 2, 3, 4)
+
+
+def channel_offsets(widths: tuple[int, ...]) -> tuple[int, ...]:
+    """Where each channel's codes start in a group's stream, in units of G bits: the
+    running sum of ``widths`` before it (per-channel widths, module docstring)."""
+    out, acc = [], 0
+    for w in widths:
+        out.append(acc)
+        acc += w
+    return tuple(out)
 
 
 def byte_aligned(n: int, bits: int) -> bool:
@@ -183,6 +208,8 @@ class QuantSpec:
     levels: LevelsName = "uniform"
     meta_bits: int = 16
     fit: str = "minmax"
+    # Per kv head, per channel code widths (module docstring); None: ``bits`` everywhere.
+    widths: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -214,6 +241,8 @@ class QuantSpec:
             )
         if self.group_size < 1:
             raise CacheError(f"group_size={self.group_size} must be a positive integer")
+        if self.widths is not None:
+            self._check_widths()
         if not byte_aligned(self.group_size, self.bits):
             ok = [g for g in (8, 16, 32, 64, 128) if byte_aligned(g, self.bits)]
             raise CacheError(
@@ -221,6 +250,29 @@ class QuantSpec:
                 f"group on a byte boundary (group_size*bits must be a multiple of 8); "
                 f"use one of {ok}"
             )
+
+    def _check_widths(self) -> None:
+        if self.axis != "channel" or self.levels != "uniform" or self.full_precision:
+            raise CacheError(
+                "per-channel widths are for keys grouped per channel (axis='channel') with "
+                f"uniform levels, got axis={self.axis!r}, levels={self.levels!r}, "
+                f"bits={self.bits}; drop widths or use axis='channel', levels='uniform'"
+            )
+        rows = self.widths or ()
+        if not rows or len({len(r) for r in rows}) != 1:
+            raise CacheError("widths needs one row of per-channel widths per kv head, all "
+                             "of the same length (head_dim)")
+        for h, row in enumerate(rows):
+            bad = sorted({w for w in row if w not in CHANNEL_WIDTHS})
+            if bad:
+                raise CacheError(f"widths of head {h} has {bad}; per-channel widths are "
+                                 f"among {CHANNEL_WIDTHS}")
+            if sum(row) != self.bits * len(row):
+                raise CacheError(
+                    f"widths of head {h} sum to {sum(row)}, not bits * head_dim = "
+                    f"{self.bits * len(row)}: every head must keep the bytes of the uniform "
+                    "width so that the packed shapes do not change"
+                )
 
     @property
     def full_precision(self) -> bool:

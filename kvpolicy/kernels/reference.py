@@ -37,6 +37,7 @@ from .layout import (
     QuantSpec,
     RotarySpec,
     byte_aligned,
+    channel_offsets,
     scale_table,
     thresholds,
 )
@@ -44,6 +45,10 @@ from .layout import (
 __all__ = [
     "pack_bits",
     "unpack_bits",
+    "pack_widths",
+    "unpack_widths",
+    "width_table",
+    "check_widths_shape",
     "encode_groups",
     "code_values",
     "meta_values",
@@ -147,7 +152,7 @@ def encode_groups(
     if spec.meta8:
         return _encode_meta8(groups, spec)
     if spec.uniform:
-        top = (1 << spec.bits) - 1
+        top = _top(spec, groups.device)
         lo = groups.amin(dim=-1)
         hi = groups.amax(dim=-1)
         zero = lo.to(dtype)
@@ -160,7 +165,7 @@ def encode_groups(
     s32 = scale.float().unsqueeze(-1)
     safe = torch.where(s32 > 0, s32, torch.ones_like(s32))
     if spec.uniform:
-        codes = torch.round((groups - z32) / safe).clamp_(0, top)
+        codes = _clamp_top(torch.round((groups - z32) / safe), top)
     else:
         # The code counts the thresholds strictly below the normalised input.
         edges = torch.tensor(thresholds(spec.bits), dtype=torch.float32, device=groups.device)
@@ -174,7 +179,7 @@ def _encode_meta8(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`encode_groups` with 8-bit metadata (uniform levels): a uint8 scale index into
     :func:`~kvpolicy.kernels.layout.scale_table` and an int8 zero point."""
-    top = (1 << spec.bits) - 1
+    top = _top(spec, groups.device)
     lo = groups.amin(dim=-1)
     hi = groups.amax(dim=-1)
     # The step the group needs, widened so that its zero point fits an int8.
@@ -199,13 +204,94 @@ def _encode_meta8(
 
 
 def _grid(groups: torch.Tensor, s32: torch.Tensor, low: torch.Tensor,
-          top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          top: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(codes, zero point, zero)`` of ``groups [..., G]`` on the 8-bit grid of step
     ``s32 [...]`` whose zero point is nearest ``low``."""
     point = torch.round(-low / s32 * ZERO_STEPS).clamp_(-128, 127)
     z32 = -point * s32 / ZERO_STEPS
-    codes = torch.round((groups - z32.unsqueeze(-1)) / s32.unsqueeze(-1)).clamp_(0, top)
+    codes = _clamp_top(torch.round((groups - z32.unsqueeze(-1)) / s32.unsqueeze(-1)), top)
     return codes, point, z32
+
+
+def _top(spec: QuantSpec, device: torch.device) -> int | torch.Tensor:
+    """The largest code: ``2**bits - 1``, or with per-channel widths a ``[H, 1, D]`` fp32
+    tensor that broadcasts over channel groups' ``[B, H, T//G, D]``."""
+    if spec.widths is None:
+        return (1 << spec.bits) - 1
+    w = torch.tensor(spec.widths, dtype=torch.float32, device=device)
+    return (2.0 ** w - 1).unsqueeze(1)
+
+
+def check_widths_shape(spec: QuantSpec, h: int, d: int) -> None:
+    """Raise :class:`CacheError` unless ``spec.widths`` has ``h`` rows of ``d`` widths."""
+    rows = spec.widths or ()
+    if (len(rows), len(rows[0]) if rows else 0) != (h, d):
+        raise CacheError(f"per-channel widths are [{len(rows)} heads, {len(rows[0])} "
+                         f"channels], the tensor has {h} kv heads of {d} channels")
+
+
+def _clamp_top(codes: torch.Tensor, top: int | torch.Tensor) -> torch.Tensor:
+    """``codes [..., G]`` clamped to ``[0, top]`` (:func:`_top`)."""
+    if isinstance(top, int):
+        return codes.clamp_(0, top)
+    return torch.minimum(codes.clamp_(min=0), top.unsqueeze(-1))
+
+
+def _stream_bits(spec: QuantSpec, h: int, d: int, g: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel widths: ``(first bit, width)``, each ``[1, H, 1, D*G]`` int64, of every
+    code in its group's stream (:mod:`kvpolicy.kernels.layout`), channel-major."""
+    check_widths_shape(spec, h, d)
+    w = torch.tensor(spec.widths, dtype=torch.int64, device=device)
+    off = torch.cumsum(w, 1) - w
+    bit = g * off.unsqueeze(-1) + torch.arange(g, device=device) * w.unsqueeze(-1)
+    return (bit.reshape(1, h, 1, d * g),
+            w.unsqueeze(-1).expand(h, d, g).reshape(1, h, 1, d * g))
+
+
+_WIDTH_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def width_table(spec: QuantSpec, device: torch.device | str) -> torch.Tensor:
+    """Per-channel widths as the kernels read them: int32 ``[Hkv, D, 2]``, each channel's
+    width and the stream bit its first code of a group starts at
+    (``G * layout.channel_offsets``); cached per spec and device, so a pointer into it
+    stays valid."""
+    key = (spec.widths, spec.group_size, str(device))
+    if key not in _WIDTH_TABLES:
+        rows = [[(w, spec.group_size * o) for w, o in zip(row, channel_offsets(row), strict=True)]
+                for row in spec.widths or ()]
+        _WIDTH_TABLES[key] = torch.tensor(rows, dtype=torch.int32, device=device)
+    return _WIDTH_TABLES[key]
+
+
+def pack_widths(codes: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Per-channel widths: codes ``[B, H, n, D, G]`` -> uint8 ``[B, H, n, G*bits//8, D]``,
+    each group's bytes one stream (:mod:`kvpolicy.kernels.layout`). A code shifted to its
+    first bit spans at most two bytes; the bits of different codes never overlap, so
+    adding them into the bytes is OR-ing them."""
+    b, h, n, d, g = codes.shape
+    nbytes = g * spec.bits * d // 8
+    bit, _ = _stream_bits(spec, h, d, g, codes.device)
+    word = codes.reshape(b, h, n, d * g).to(torch.int32) << (bit % 8).to(torch.int32)
+    byte = (bit // 8).expand(b, h, n, d * g)
+    out = torch.zeros(b, h, n, nbytes + 1, dtype=torch.int32, device=codes.device)
+    out.scatter_add_(-1, byte, word & 0xFF)
+    out.scatter_add_(-1, byte + 1, word >> 8)
+    return out[..., :nbytes].to(torch.uint8).reshape(b, h, n, nbytes // d, d)
+
+
+def unpack_widths(packed: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Inverse of :func:`pack_widths`: uint8 ``[B, H, n, G*bits//8, D]`` -> codes
+    ``[B, H, n, D, G]``."""
+    b, h, n, r, d = packed.shape
+    g = r * 8 // spec.bits
+    stream = torch.nn.functional.pad(packed.reshape(b, h, n, r * d).to(torch.int32), (0, 1))
+    bit, w = _stream_bits(spec, h, d, g, packed.device)
+    byte = (bit // 8).expand(b, h, n, d * g)
+    word = stream.gather(-1, byte) | (stream.gather(-1, byte + 1) << 8)
+    codes = (word >> (bit % 8).to(torch.int32)) & ((1 << w) - 1).to(torch.int32)
+    return codes.to(torch.uint8).reshape(b, h, n, d, g)
 
 
 def _squared_error(groups: torch.Tensor, codes: torch.Tensor, s32: torch.Tensor,
@@ -255,15 +341,26 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
     if spec.full_precision:
         empty = x.new_empty(0, dtype=dtype)
         return Packed(x.to(dtype), empty, empty)
+    if spec.widths is not None:
+        check_widths_shape(spec, x.shape[1], x.shape[3])
     groups = _grouped(x, spec).float()  # [..., n_groups_a, n_groups_b, G]
     codes, scale, zero = encode_groups(groups, spec, dtype)
     b, h, t, d = x.shape
-    if spec.axis == "channel":
+    if spec.widths is not None:
+        packed = pack_widths(codes, spec)
+    elif spec.axis == "channel":
         # codes [B,H,T//G,D,G]: pack along G, then put D innermost.
         packed = pack_bits(codes, spec.bits).transpose(3, 4).contiguous()
     else:
         packed = pack_bits(codes.reshape(b, h, t, d), spec.bits)
     return Packed(packed, scale.contiguous(), zero.contiguous())
+
+
+def _unpack_channel(codes: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Codes ``[B, H, n, D, G]`` of channel-packed ``[B, H, n, G*bits//8, D]``."""
+    if spec.widths is not None:
+        return unpack_widths(codes, spec)
+    return unpack_bits(codes.transpose(3, 4), spec.bits)
 
 
 def dequantize(p: Packed, spec: QuantSpec, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -280,7 +377,7 @@ def dequantize(p: Packed, spec: QuantSpec, dtype: torch.dtype = torch.float32) -
             raise CacheError(f"channel-packed codes must be 5-D, got {tuple(codes.shape)}")
         b, h, n, _, d = codes.shape
         g = spec.group_size
-        c = code_values(unpack_bits(codes.transpose(3, 4), spec.bits), spec)  # [B,H,n,D,G]
+        c = code_values(_unpack_channel(codes, spec), spec)  # [B,H,n,D,G]
         s32, z32 = meta_values(scale, zero, spec)
         x = c * s32.unsqueeze(-1) + z32.unsqueeze(-1)
         return x.transpose(3, 4).reshape(b, h, n * g, d).to(dtype)

@@ -171,6 +171,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
             )
         # The reference's view (each group along the last dim), so that the reductions
         # and the codes are bit-identical to it.
+        if spec.widths is not None:
+            reference.check_widths_shape(spec, h, d)
         groups = x.reshape(b, h, t // g, g, d).float().transpose(3, 4)
     else:
         if d % g != 0:
@@ -180,7 +182,9 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
             )
         groups = x.reshape(b, h, t, d // g, g).float()
     codes, scale, zero = reference.encode_groups(groups, spec, dtype)
-    if spec.axis == "channel":
+    if spec.widths is not None:  # per-channel widths: the reference's gather and scatter
+        packed = reference.pack_widths(codes, spec)
+    elif spec.axis == "channel":
         # [B,H,n,D,G] -> stream along G -> [B,H,n,G*bits/8,D]
         packed = pack_bits(codes, spec.bits).transpose(3, 4).contiguous()
     else:
@@ -195,7 +199,9 @@ def dequantize(p: Packed, spec: QuantSpec, dtype: torch.dtype = torch.float32) -
     codes, scale, zero = p
     if spec.axis == "channel":
         b, h, n, _, d = codes.shape
-        c = reference.code_values(unpack_bits(codes.transpose(3, 4), spec.bits), spec)
+        c = reference.code_values(
+            reference.unpack_widths(codes, spec) if spec.widths is not None
+            else unpack_bits(codes.transpose(3, 4), spec.bits), spec)
         # Not addcmul: its fused multiply-add rounds once and would differ from the reference.
         s32, z32 = reference.meta_values(scale, zero, spec)
         x = c * s32.unsqueeze(-1) + z32.unsqueeze(-1)
@@ -535,6 +541,11 @@ def _cpp_attention(
         p.kpos, p.kpos_sb = kpos.data_ptr(), kpos.stride(0)
         p.cosc, p.sinc, p.rope_rs = cos.data_ptr(), sin.data_ptr(), cos.stride(0)
         p.half, p.rope_style = rope.rotary_dim // 2, 1 if rope.style == "rotate_half" else 2
+    if k_spec.widths is not None:  # a null table is what tells the kernel "one width"
+        reference.check_widths_shape(k_spec, hkv, dk)
+        table = reference.width_table(k_spec, q.device)
+        keep.append(table)
+        p.kwid = table.data_ptr()
     for spec, field in ((k_spec, "klut"), (v_spec, "vlut")):
         if not spec.uniform:  # a null table is what tells the kernel "uniform"
             table = torch.tensor(spec.table, dtype=torch.float32)

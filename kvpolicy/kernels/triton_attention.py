@@ -170,6 +170,7 @@ def _packed_attention_kernel(
         mask_ptr + b * sm_b + hq * sm_h + tq * sm_q, sm_k, row_ok, start, end, scale, softcap,
         K_BITS, K_GROUP, K_CHANNEL, K_LUT, K_FAST, V_BITS, V_GROUP, V_CHANNEL, V_LUT, V_FAST, DV,
         ROPE, HAS_PASS, HAS_MASK, SOFTCAP, DOT_F32, MATH_F16, BLOCK_M, BLOCK_N, K_M8, V_M8,
+        None, False,  # per-channel key widths: the decode kernel's, not this one's
     )
     row_out = ((b * (n_kv_heads * GQA) + hq) * q_len + tq) * n_splits + pid_s  # [BLOCK_M]
     store_split(out_ptr, lse_ptr, row_out, row_ok, ch_v, v_ok, m_i, l_i, acc, DV)

@@ -44,15 +44,33 @@ def load() -> Backend:
 
     return Backend(
         name="triton",
-        quantize=triton_quant.quantize,
+        quantize=_unless_widths(triton_quant.quantize, torch_backend.quantize, 1),
         dequantize=torch_backend.dequantize,
         attention_partial=torch_backend.attention_partial,
-        packed_attention_partial=triton_attention.packed_attention_partial,
+        packed_attention_partial=_unless_widths(
+            triton_attention.packed_attention_partial,
+            torch_backend.packed_attention_partial, 3),
         apply_rope=torch_backend.apply_rope,
         merge_partials=torch_backend.merge_partials_lse,
         decode_attention=triton_attention.decode_attention,
         warm_up=_warm_up,
     )
+
+
+def _unless_widths(kernel: Any, fallback: Any, spec_at: int) -> Any:
+    """``kernel``, except for a key spec with per-channel widths (the positional argument
+    ``spec_at``): only the decode kernel reads them (``K_WID``), so packing and the
+    packed-segment attention of those keys take the torch backend's path (a gather and a
+    scatter; dequantize, rotate, matmul) on the same device."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        spec = args[spec_at] if len(args) > spec_at else None
+        if spec is not None and spec.widths is not None:
+            return fallback(*args, **kwargs)
+        return kernel(*args, **kwargs)
+
+    call.__doc__, call.__name__ = kernel.__doc__, kernel.__name__
+    return call
 
 
 def _warm_up(

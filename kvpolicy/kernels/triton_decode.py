@@ -67,6 +67,7 @@ from ._triton_util import (
     packed_dims,
     plan_splits,
     rope_arguments,
+    width_table,
 )
 from .layout import Packed, QuantSpec, RotarySpec
 from .triton_dequant import attend_keys, merge_splits_kernel, query_sets, store_split
@@ -94,7 +95,7 @@ _PER_STEP = [
 @triton.autotune(
     configs=ATTENTION_CONFIGS,
     key=["rows_bucket", "split_bucket", "K_BITS", "K_CHANNEL", "V_BITS", "V_CHANNEL", "ROPE", "DK",
-         "SOFTCAP", "HAS_PACKED", "HAS_FP", "K_LUT", "V_LUT", "K_M8", "V_M8"],
+         "SOFTCAP", "HAS_PACKED", "HAS_FP", "K_LUT", "V_LUT", "K_M8", "V_M8", "K_WID"],
     prune_configs_by={"early_config_prune": keep_attention_config},
 )
 @triton.jit(do_not_specialize=_PER_STEP)
@@ -146,6 +147,8 @@ def _decode_kernel(
     klut_ptr=None, vlut_ptr=None,  # fp32 level tables of the packed keys / values
     K_M8: tl.constexpr = False, V_M8: tl.constexpr = False,  # 8-bit packed metadata
     stab_ptr=None,  # fp32 scales of 8-bit scale indices (K_M8 or V_M8)
+    K_WID: tl.constexpr = False,  # per-channel key widths (layout.QuantSpec.widths)
+    kwid_ptr=None,  # their table [Hkv, D, 2] int32 (_triton_util.width_table)
 ):
     tl.static_assert(ROT_DIM % 2 == 0 and ROT_DIM <= DK, "rotary_dim must be even and <= DK")
     tl.static_assert((ROPE == 0) == (ROT_DIM == 0), "ROT_DIM is set exactly when ROPE is")
@@ -176,6 +179,10 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     # Without a full-precision segment every program is packed (P == S); without a
     # packed one none is (P == 0): the branch is one scalar compare.
+    if K_WID:
+        kwid_h = kwid_ptr + kvh * (2 * DK)  # this head's [DK, 2] widths and first bits
+    else:
+        kwid_h = kwid_ptr
     if sid < n_packed_splits:
         if HAS_PACKED:
             start = sid * split_len
@@ -191,7 +198,7 @@ def _decode_kernel(
                 K_BITS, K_GROUP, K_CHANNEL, K_LUT, K_FAST,
                 V_BITS, V_GROUP, V_CHANNEL, V_LUT, V_FAST, DV,
                 ROPE, HAS_PASS, HAS_MASK, SOFTCAP, DOT_F32, MATH_F16, BLOCK_M, BLOCK_N,
-                K_M8, V_M8,
+                K_M8, V_M8, kwid_h, K_WID,
             )
     else:
         if HAS_FP:
@@ -208,7 +215,7 @@ def _decode_kernel(
                 start, tl.minimum(start + fp_split_len, fp_len), scale, softcap,
                 16, 1, False, False, False, 16, 1, False, False, False, DV,
                 ROPE, HAS_PASS, HAS_FP_MASK, SOFTCAP, DOT_F32, MATH_F16, BLOCK_M, BLOCK_N,
-                False, False,
+                False, False, None, False,
             )
     row_out = ((b * (n_kv_heads * GQA) + hq) * q_len + tq) * n_splits + sid  # [BLOCK_M]
     store_split(out_ptr, lse_ptr, row_out, row_ok, ch_v, v_ok, m_i, l_i, acc, DV)
@@ -381,6 +388,10 @@ def decode_attention(
     fk_t, fv_t = (fk, fv) if has_fp else (q, q)
     klut, vlut = level_lut(k_spec, device), level_lut(v_spec, device)
     stab = meta_table(k_spec, v_spec, device=device)
+    kwid = width_table(k_spec, device) if has_packed else None
+    if kwid is not None and k.codes.stride(3) != k.codes.shape[4] * k.codes.stride(4):
+        raise CacheError("packed keys with per-channel widths must keep each group's bytes "
+                         "contiguous (one stream); pass codes as the cache stores them")
     _decode_kernel[(b * hkv, m_blocks, splits)](
         q, k.codes, ks, kz, v.codes, vs, vz, pos, mask_t, fk_t, fv_t, fpos, fmask_t, cos, sin,
         out, lse,
@@ -402,6 +413,7 @@ def decode_attention(
         MATH_F16=q.dtype == torch.float16, BLOCK_M=block_m, **channel_blocks(rot_dim, dq, dv),
         K_LUT=klut is not None, V_LUT=vlut is not None, klut_ptr=klut, vlut_ptr=vlut,
         K_M8=k_spec.meta8, V_M8=v_spec.meta8, stab_ptr=stab,
+        **({} if kwid is None else {"K_WID": True, "kwid_ptr": kwid}),
     )
     if splits == 1:
         return out.squeeze(3), lse.squeeze(3)

@@ -87,12 +87,31 @@ def dequant_tile(
     CHANNEL_AXIS: tl.constexpr,  # True: groups of G tokens per channel; False: G channels
     LUT: tl.constexpr,  # non-uniform levels: a code's value is lut_ptr[code]
     M8: tl.constexpr,  # 8-bit metadata: uint8 scale index, int8 zero point
+    wid_ptr=None,  # this head's per-channel widths and first bits (WID); None otherwise
+    WID: tl.constexpr = False,  # per-channel widths (channel axis; layout.QuantSpec.widths)
 ):
-    """Dequantized fp32 ``[N, C]`` tile of one packed tensor (``value * scale + zero``)."""
+    """Dequantized fp32 ``[N, C]`` tile of one packed tensor (``value * scale + zero``).
+
+    With per-channel widths (``WID``) ``wid_ptr`` holds ``[D, 2]`` int32 per head: channel
+    ``c``'s width and the stream bit its group's first code starts at
+    (:func:`kvpolicy.kernels._triton_util.width_table`); a group's bytes are one stream
+    along ``sc_2`` (the host checks that its last two dims are contiguous).
+    """
     t2 = tok[:, None]
     c2 = ch[None, :]
     if BITS == 16:
         x = tl.load(c_ptr + t2 * sc_0 + c2 * sc_1, mask=ok, other=0.0).to(tl.float32)
+    elif WID:
+        grp = t2 // GROUP
+        w = tl.load(wid_ptr + 2 * c2 + 0 * t2, mask=ok, other=1)  # [N, C], cached rows
+        bit = tl.load(wid_ptr + 2 * c2 + 1 + 0 * t2, mask=ok, other=0) + (t2 % GROUP) * w
+        byte_ptr = c_ptr + grp * sc_0 + (bit // 8) * sc_2
+        shift = (bit % 8).to(tl.int32)
+        raw = tl.load(byte_ptr, mask=ok, other=0).to(tl.int32)
+        nxt = tl.load(byte_ptr + sc_2, mask=ok & (shift + w > 8), other=0)
+        code = ((raw | (nxt.to(tl.int32) << 8)) >> shift) & ((1 << w) - 1)
+        scale, zero = _load_meta(s_ptr, z_ptr, grp * ss_0 + c2 * ss_1, ok, stab_ptr, M8)
+        x = _code_to_f32(code) * scale.to(tl.float32) + zero.to(tl.float32)
     else:
         if CHANNEL_AXIS:
             grp = t2 // GROUP
@@ -257,9 +276,17 @@ def load_keys(
     FAST: tl.constexpr,  # whole per-channel groups with BITS dividing 8 (host-checked)
     BLOCK_N: tl.constexpr,  # tokens in the tile
     F16: tl.constexpr,  # return fp16 (fp16 queries) instead of fp32
+    wid_ptr,  # per-channel widths of this head (WID); None otherwise
+    WID: tl.constexpr,  # per-channel widths (see dequant_tile; never FAST)
 ):
     """Dequantized ``[N, C]`` key tile, by the fast path where the layout allows."""
-    if FAST and BLOCK_N % GROUP == 0:
+    if WID:
+        x = dequant_tile(c_ptr, s_ptr, z_ptr, sc_0, sc_1, sc_2, ss_0, ss_1, tok, ch,
+                         tok_ok[:, None] & ch_ok[None, :], lut_ptr, stab_ptr, BITS, GROUP,
+                         CHANNEL_AXIS, LUT, M8, wid_ptr, True)
+        if F16:
+            x = x.to(tl.float16)
+    elif FAST and BLOCK_N % GROUP == 0:
         x = _dequant_channel_groups(c_ptr, s_ptr, z_ptr, sc_0, sc_1, sc_2, ss_0, ss_1, n0,
                                     n_end, ch, ch_ok, lut_ptr, stab_ptr, BITS, GROUP, BLOCK_N,
                                     F16, LUT, M8)
@@ -350,6 +377,7 @@ def attend_keys(
     SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, MATH_F16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     K_M8: tl.constexpr, V_M8: tl.constexpr,  # 8-bit metadata of the keys / values
+    kwid, K_WID: tl.constexpr,  # per-channel key widths of this head (see dequant_tile)
 ):
     """Online softmax of a program's query rows over keys ``[start, end)`` of one segment.
 
@@ -367,10 +395,10 @@ def attend_keys(
             ok = tok_ok[:, None] & r_ok[None, :]
             k_a = load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, end, tok,
                             tok_ok, ch_a, r_ok, klut, stab, K_BITS, K_GROUP, K_CHANNEL, K_LUT,
-                            K_M8, K_FAST, BLOCK_N, MATH_F16)
+                            K_M8, K_FAST, BLOCK_N, MATH_F16, kwid, K_WID)
             k_b = load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, end, tok,
                             tok_ok, ch_b, r_ok, klut, stab, K_BITS, K_GROUP, K_CHANNEL, K_LUT,
-                            K_M8, K_FAST, BLOCK_N, MATH_F16)
+                            K_M8, K_FAST, BLOCK_N, MATH_F16, kwid, K_WID)
             # Both channels of a pair turn by the same angle (RotarySpec's table layout),
             # so one gather of the table at the first channel serves both.
             pos = tl.load(pos_row + tok * sp_t, mask=tok_ok, other=0)
@@ -384,7 +412,7 @@ def attend_keys(
         if HAS_PASS:
             k_p = load_keys(kc, ks, kz, skc_0, skc_1, skc_2, sks_0, sks_1, n0, end, tok,
                             tok_ok, ch_p, p_ok, klut, stab, K_BITS, K_GROUP, K_CHANNEL, K_LUT,
-                            K_M8, K_FAST, BLOCK_N, MATH_F16)
+                            K_M8, K_FAST, BLOCK_N, MATH_F16, kwid, K_WID)
             s += qk(q_p, k_p, DOT_F32)
         s = s * scale
         if SOFTCAP:

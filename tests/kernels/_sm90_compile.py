@@ -87,9 +87,9 @@ def attention(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, mask=False, bl
 
 
 def decode(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, k_lut=False, v_lut=False,
-           k_m8=False, v_m8=False, kg=32, vg=32):
+           k_m8=False, v_m8=False, kg=32, vg=32, k_wid=False):
     """One variant of the fused decode kernel (both segments, fp16 cache); ``kg``/``vg``:
-    the key and value group sizes."""
+    the key and value group sizes; ``k_wid``: per-channel key widths (their gather)."""
     ints = {n: 64 for n in td._decode_kernel.arg_names}
     ints.update(q_len=1, sq_d=1, skc_2=1, sks_1=1, svc_2=1, svs_1=1, sp_t=1, sfk_d=1, sfv_d=1,
                 sfp_t=1, sr_d=1, n_rows=gqa)
@@ -110,6 +110,9 @@ def decode(qdt, kb, kaxis, vb, vaxis, rope, rot, d=128, gqa=4, k_lut=False, v_lu
     )
     _levels(consts, ptrs, k_lut, v_lut)
     _meta8(consts, ptrs, k_m8, v_m8)
+    if k_wid:
+        consts["K_WID"] = True
+        ptrs["kwid_ptr"] = "*i32"
     return _compile(td._decode_kernel, ints, ptrs, consts, floats=("scale", "softcap"))
 
 
@@ -187,6 +190,10 @@ def main() -> int:
                         kg=12)),
         ("quantize 2-bit groups of 12, 8-bit metadata, fit mse",
          lambda: quantize(2, 12, "fp16", meta8=True, fit=3)),
+        # channel_widths auto: keys 1-4 bits per channel (the width table's gather)
+        ("decode fp16 K2ch G12 per-channel widths V2tok G32 8-bit metadata",
+         lambda: decode("fp16", 2, "channel", 2, "token", 1, 128, k_m8=True, v_m8=True,
+                        kg=12, k_wid=True)),
     ]
     for name, build in variants:
         build()

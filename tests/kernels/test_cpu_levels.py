@@ -154,6 +154,7 @@ class IdentityTable:
     group_size: int
     axis: str
     uniform: bool = False
+    widths: None = None  # one width per tensor
 
     @property
     def table(self) -> tuple[float, ...]:
