@@ -9,13 +9,14 @@ in one run with their repetitions interleaved; the table shows medians. Interlea
 means every call starts with caches disturbed by the other methods, as a decode step does
 inside a model: the packed step measured ~0.5 ms faster at 8K when timed alone.
 The machine is shared: the header prints the load average, read the ratios with it.
-``--levels uniform normal meta8`` times one packed cache per entry (keys and values
-both), side by side in the same interleaved run: ``meta8`` is uniform levels in groups of
-16 with 8-bit scales and zeros (``meta_bits: 8``), the same stored bits as groups of 32
-with fp16 ones.
+``--levels uniform normal meta8 default widths`` times one packed cache per entry (keys and
+values both), side by side in the same interleaved run: ``meta8`` is uniform levels in
+groups of 16 with 8-bit scales and zeros (``meta_bits: 8``), the same stored bits as groups
+of 32 with fp16 ones; ``default`` and ``widths`` are ``bits=2``'s groups with one width
+per key and with per-channel key widths (the C++ kernel's gather of ``Params.kwid``).
 
     .venv/bin/python bench/cpu_attention.py [--threads 2] [--tokens 1024 8192]
-        [--levels uniform normal meta8]
+        [--levels uniform normal meta8 default widths]
 """
 
 from __future__ import annotations
@@ -47,12 +48,26 @@ def packed_name(bits: int, levels: str, all_levels: list[str]) -> str:
     return f"packed {bits}-bit" if all_levels == ["uniform"] else f"{levels} {bits}-bit"
 
 
+def channel_widths(bits: int) -> tuple[tuple[int, ...], ...]:
+    """Per-channel key widths shaped like what ``channel_widths: auto`` gives SmolLM2 at 2
+    bits (about a sixth of the channels at 1 bit, an eighth at 3-4): per head, 5 RoPE pairs
+    at ``bits - 1``, 3 at ``bits + 1``, 1 at ``bits + 2``, the rest at ``bits``."""
+    pairs = [bits - 1] * 5 + [bits + 1] * 3 + [bits + 2] + [bits] * (D // 2 - 9)
+    return (tuple(pairs + pairs),) * HKV
+
+
 def specs(bits: int, variant: str) -> tuple[QuantSpec, QuantSpec]:
     """Key and value spec of one ``--levels`` entry (``meta8``: groups of 16, 8-bit
-    metadata)."""
+    metadata; ``default``: ``bits=2``'s groups, keys of 12 tokens and values of 32 channels,
+    8-bit metadata, one width per key; ``widths``: the same with per-channel key widths,
+    :func:`channel_widths`)."""
     if variant == "meta8":
         return (QuantSpec(bits, 16, "channel", "uniform", 8),
                 QuantSpec(bits, 16, "token", "uniform", 8))
+    if variant in ("default", "widths"):
+        widths = channel_widths(bits) if variant == "widths" else None
+        return (QuantSpec(bits, 12, "channel", "uniform", 8, "mse", widths),
+                QuantSpec(bits, 32, "token", "uniform", 8))
     return QuantSpec(bits, 32, "channel", variant), QuantSpec(bits, 32, "token", variant)
 
 
@@ -103,7 +118,7 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=2)
     parser.add_argument("--budget", type=float, default=3.0, help="seconds per size")
     parser.add_argument("--levels", nargs="+", default=["uniform"],
-                        choices=("uniform", "normal", "meta8"),
+                        choices=("uniform", "normal", "meta8", "default", "widths"),
                         help="one packed cache per entry")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

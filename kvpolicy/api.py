@@ -13,15 +13,17 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from .analysis.analyse import analyse_model
 from .analysis.config import sliding_windows
 from .calibrate.apply import budget_policy
+from .calibrate.channels import channel_policy
 from .compiler import compile_blocks
 from .errors import KVPolicyError, PolicyError
 from .kernels.backend import check_name as check_backend
-from .policy import ModelPolicy, PolicySpec, build_policy, load_spec
+from .policy import Calibration, ModelPolicy, PolicySpec, build_policy, load_spec
 from .runtime.install import CompiledModel, install
 from .state import compiled_of, state_of
 
@@ -53,9 +55,11 @@ def derive_policy(
             (``2.5``, also ``3.0``) is a budget: the average code bits per cached element,
             spread over the tensors by their measured sensitivity (``kvpolicy.calibrate.budget``).
         policy: a preset name (``"kivi-2"``), a YAML path, a dict or a ``PolicySpec``.
-        calibration: for a budget only: ``[B, T]`` token ids to measure sensitivity on, a
-            tokenizer for the default text, or a ``Calibration`` measured before. Default:
-            the policy file's saved calibration, else the last 512 pydoc tokens.
+        calibration: for a budget and for ``channel_widths: auto`` (the default's
+            per-channel key widths): ``[B, T]`` token ids to measure on, a tokenizer for
+            the default text, or (a budget only) a ``Calibration`` measured before. Default:
+            the policy file's saved calibration, else the last 512 pydoc tokens in the
+            tokenizer saved beside the model; with none, the default keeps one key width.
         progress: show a progress bar while calibrating.
         probe_kwargs: ``ids -> {keyword: value}`` passed to the analysis's probe forwards
             beside the token ids, for a model that takes its cached path only when given
@@ -89,6 +93,14 @@ def derive_policy(
     if spec.budget is not None:
         result, cal = budget_policy(model, result, spec, calibration, progress=progress)
         spec = spec.model_copy(update={"calibration": cal})
+    if any(t.channel_widths == "auto" for t in result.tensors):
+        ids = calibration if isinstance(calibration, torch.Tensor) else None
+        tok = None if calibration is None or ids is not None or isinstance(
+            calibration, Calibration) else calibration
+        written = ("channel_widths" in spec.defaults.model_fields_set
+                   or any(r.channel_widths == "auto" for r in spec.overrides))
+        result = channel_policy(model, result, ids, tokenizer=tok, written=written,
+                                usable=probe_kwargs is None)
     state_of(model).spec = spec
     return result
 

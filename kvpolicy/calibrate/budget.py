@@ -102,8 +102,16 @@ CALIBRATION_TOKENS = 512
 
 
 def _find_tokenizer(model: nn.Module):
-    """The tokenizer saved beside the model's weights (``config._name_or_path``), or None."""
+    """The tokenizer saved beside the model's weights (``config._name_or_path``, a folder,
+    or a hub name already in the local cache: nothing is downloaded), or None."""
     path = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if path and not Path(path).is_dir() and "/" in path and not path.startswith((".", "/")):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError):  # not in the local cache: the caller says what to pass
+            return None
     if not path or not Path(path).is_dir():
         return None
     if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):

@@ -67,7 +67,8 @@ FRONTIER_BUDGETS: tuple[float, ...] = (2.25, 2.5, 3.0)
 # The budget of the retrieval rows (one of FRONTIER_BUDGETS: its run is reused).
 RETRIEVAL_BUDGET = 2.5
 # Ablations that also run the retrieval check: what the 2-bit default replaced.
-RETRIEVAL_ABLATIONS = ("fp16 metadata, groups of 32", "groups of 16 (8-bit metadata)")
+RETRIEVAL_ABLATIONS = ("fp16 metadata, groups of 32", "groups of 16 (8-bit metadata)",
+                       "one width per key")
 # Default passage length of the retrieval check; ``quick`` uses QUICK_RETRIEVAL_TOKENS.
 RETRIEVAL_TOKENS = 1024
 QUICK_RETRIEVAL_TOKENS = 48
@@ -95,6 +96,7 @@ def ablations(bits: int | float) -> list[tuple[str, str, dict[str, Any]]]:
             {"overrides": [{**key, "group_size": 16, "meta_bits": 8},
                            {**value, "group_size": 16, "meta_bits": 8}]})]
           if isinstance(bits, int) and bits in META8_WIDTHS else []),
+        ("one width per key", "channel widths", {"defaults": {"channel_widths": "uniform"}}),
         ("normal levels, keys", "levels", {"overrides": [{**key, "levels": "normal"}]}),
         ("normal levels, keys and values", "levels", {"defaults": {"levels": "normal"}}),
         ("residual 0", "residual", {"defaults": {"residual": 0}}),

@@ -282,6 +282,8 @@ def build_policy(
                 "levels": d.levels,
                 "meta_bits": d.meta_bits,
                 "fit": d.fit,
+                # In the defaults per-channel widths mean the keys' (see spec.Defaults).
+                "channel_widths": d.channel_widths if kind is TensorKind.KEY else "uniform",
             }
             origins = dict.fromkeys(values, _DEFAULTS)
             if d.axis is None:
@@ -309,6 +311,10 @@ def build_policy(
                             and meta8_rotates_values("auto", 8, written)):
                         values["rotation"] = "hadamard"
             values["fit"] = fit_at(values["fit"], kind is TensorKind.KEY, values["meta_bits"])
+            if (values["channel_widths"] == "auto" and origins["channel_widths"] == _DEFAULTS
+                    and "channel_widths" not in d.model_fields_set
+                    and (values["axis"] is not Axis.CHANNEL or values["levels"] == "normal")):
+                values["channel_widths"] = "uniform"  # kvpolicy's own auto: nothing to place
             if values["rotation"] == "auto" and tf.head_dim & (tf.head_dim - 1):
                 values["rotation"] = "none"  # no Hadamard of this size: nothing to choose
             if values["pre_rope"] and not has_rope and tf.rope is not None:

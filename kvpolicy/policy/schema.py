@@ -31,7 +31,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ..errors import PolicyError
+from ..errors import CacheError, PolicyError
 from ..kernels.layout import NORMAL_LEVELS, QuantSpec
 from .messages import translate
 from .render import ranges, render_table
@@ -224,6 +224,11 @@ class TensorPolicy(Frozen):
     # How a group's 8-bit grid is fitted (kernels.layout): min-max, or the least squared
     # error among the min-max scale and the table steps below it (8-bit metadata only).
     fit: Literal["minmax", "mse"] = "minmax"
+    # Per-channel key widths (kernels.layout): "uniform", every channel at ``bits``;
+    # "auto", each kv head's channels take 1-4 bits, ``bits`` on average, allocated where
+    # the queries look (calibrate.channels); ``widths`` [kv heads][head_dim] once allocated.
+    channel_widths: Literal["uniform", "auto"] = "uniform"
+    widths: tuple[tuple[StrictInt, ...], ...] = ()
     reason: StrictStr
 
     @field_validator("bits")
@@ -287,6 +292,8 @@ class TensorPolicy(Frozen):
                 "fit",
                 "meta_bits",
             )
+        if self.channel_widths == "auto" or self.widths:
+            self._check_channel_widths()
         if self.derived_pre_rope and self.rope is None:
             raise invalid("derived_pre_rope", "derived_pre_rope is true but rope is null")
         if self.group_sizes:
@@ -305,6 +312,34 @@ class TensorPolicy(Frozen):
             if self.axis is Axis.TOKEN:
                 check_divides(self.group_size, self.head_dim, self.bits)
         return self
+
+    def _check_channel_widths(self) -> None:
+        if self.tensor is not TensorKind.KEY or self.axis is not Axis.CHANNEL:
+            raise invalid(
+                "channel_widths",
+                "per-channel widths are for keys grouped per channel (a key is contracted "
+                "over its channels; a value's channels each reach the output alone); use "
+                "tensor: key with axis: channel",
+            )
+        if self.channel_widths == "uniform":
+            raise invalid("widths", "widths are allocated by channel_widths: auto; drop "
+                          "widths or set channel_widths: auto")
+        if self.widths and self.code_levels != "uniform":
+            raise invalid(
+                "channel_widths",
+                f"per-channel widths place uniform levels, and this key uses "
+                f"{self.code_levels} levels at {self.bits} bits; set levels: uniform",
+                "channel_widths",
+                "levels",
+            )
+        if self.widths:
+            try:
+                self.quant_spec()
+            except CacheError as e:
+                raise invalid("widths", str(e)) from None
+            if len(self.widths) != self.num_kv_heads or len(self.widths[0]) != self.head_dim:
+                raise invalid("widths", f"widths must be [{self.num_kv_heads} kv heads]"
+                              f"[{self.head_dim} channels]")
 
     @property
     def full_precision(self) -> bool:
@@ -328,7 +363,8 @@ class TensorPolicy(Frozen):
         """The kernels' :class:`~kvpolicy.kernels.layout.QuantSpec` of this tensor."""
         return QuantSpec(self.bits, self.group_size, self.axis.value,  # type: ignore[arg-type]
                          self.code_levels, self.stored_meta_bits,
-                         self.fit if self.stored_meta_bits == 8 else "minmax")
+                         self.fit if self.stored_meta_bits == 8 else "minmax",
+                         None if self.full_precision else (self.widths or None))
 
     @property
     def pinned_full_precision(self) -> bool:

@@ -41,7 +41,7 @@ from .schema import GROUP_TABLES, Calibration
 
 _SETTABLE = (
     "bits", "group_size", "axis", "pre_rope", "residual", "sinks", "rotation", "levels",
-    "meta_bits", "fit",
+    "meta_bits", "fit", "channel_widths",
 )
 # The quantization levels (kernels.layout): "auto" is chosen per tensor by a budget's
 # calibration, and is uniform without one (rules.levels_at).
@@ -146,6 +146,12 @@ class Defaults(Frozen):
     # error among the min-max scale and the table steps below it; 8-bit metadata only) or
     # auto (rules.fit_at: mse for keys whose metadata is or may become 8-bit).
     fit: Literal["minmax", "mse", "auto"] = "auto"
+    # Per-channel key widths (kernels.layout): "auto" gives each key channel 1-4 bits,
+    # ``bits`` on average per kv head, by E[q²]·range² measured on a calibration text
+    # (calibrate.channels); keys only. "uniform": one width per tensor. Left at kvpolicy's
+    # "auto", a model with no calibration text at hand (no tokenizer) keeps uniform keys;
+    # written, it is an error there.
+    channel_widths: Literal["uniform", "auto"] = "auto"
 
     @field_validator("bits")
     @classmethod
@@ -214,6 +220,7 @@ class OverrideRule(Frozen):
     levels: LevelsSetting | None = None
     meta_bits: Literal[16, 8, "auto"] | None = None
     fit: Literal["minmax", "mse", "auto"] | None = None
+    channel_widths: Literal["uniform", "auto"] | None = None
 
     @field_validator("layers", mode="before")
     @classmethod

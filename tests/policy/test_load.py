@@ -20,8 +20,9 @@ def test_presets_ship_and_differ_where_they_should():
     assert kv2.defaults == Defaults(bits=2, group_size=32, residual=128, sinks=4, pre_rope=True)
     assert kv4.defaults == kv2.defaults.model_copy(update={"bits": 4})
     assert kivi2.defaults == Defaults(bits=2, group_size=32, residual=128, sinks=0, pre_rope=False,
-                                      levels="uniform", meta_bits=16)  # KIVI: fp16 min-max grids
-    assert kv2.defaults.meta_bits == "auto"
+                                      levels="uniform", meta_bits=16,
+                                      channel_widths="uniform")  # KIVI: fp16 min-max grids
+    assert kv2.defaults.meta_bits == "auto" and kv2.defaults.channel_widths == "auto"
     assert kv2.defaults.levels == "auto"
     assert kivi4.defaults.bits == 4 and kivi4.overrides == kivi2.overrides
     assert kivi2.source == "kivi-2"
