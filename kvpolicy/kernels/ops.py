@@ -102,6 +102,13 @@ def quantize_packed(
     x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None, backend: str = "auto"
 ) -> Packed:
     """:func:`quantize` with a ``QuantSpec``, as a :class:`Packed` (the backends' contract,
-    ``kernels.contract.Quantize``, through the op)."""
+    ``kernels.contract.Quantize``, through the op). The op's schema has no per-channel
+    widths: a spec with ``widths`` is refused rather than packed at one width."""
+    if spec.widths is not None:
+        raise CacheError(
+            "kvpolicy::quantize takes one width per tensor and this spec has per-channel "
+            "widths; pack it with the backend's quantize "
+            "(kvpolicy.kernels.backend.select(backend, x.device).quantize(x, spec, dtype))"
+        )
     return Packed(*quantize(x, spec.bits, spec.group_size, spec.axis, dtype, backend,
                             spec.levels, spec.meta_bits, spec.fit))

@@ -191,3 +191,11 @@ def test_cpu_kernel_reads_widths(g, meta_bits, rope):
     want = ref.decode_attention(*args, **kw)
     for x, y in zip(got, want, strict=True):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+def test_the_quantize_op_refuses_widths_it_cannot_carry():
+    from kvpolicy.kernels import ops
+
+    spec = QuantSpec(2, 8, "channel", widths=((2,) * 16,) * 2)
+    with pytest.raises(CacheError, match="per-channel widths"):
+        ops.quantize_packed(torch.randn(1, 2, 8, 16), spec, backend="torch")
