@@ -38,17 +38,20 @@ __all__ = ["channel_costs", "allocate_widths", "channel_policy"]
 log = logging.getLogger(__name__)
 
 
-def channel_costs(act: LayerActivations, group_size: int) -> torch.Tensor:
+def channel_costs(act: LayerActivations, group_size: int, pre_rope: bool = True
+                  ) -> torch.Tensor:
     """``E[q_c²] · E[r_c²]`` per kv head and channel, ``[Hkv, D]``: the query energy
     averaged over the query heads that share the kv head, times the squared range of the
-    pre-RoPE key over groups of ``group_size`` tokens (whole groups only)."""
+    key as the cache stores it (before RoPE with ``pre_rope``) over groups of
+    ``group_size`` tokens (whole groups only)."""
     b, hq, t, d = act.query.shape
-    hkv = act.key_pre.shape[1]
+    key = act.key_pre if pre_rope else act.key
+    hkv = key.shape[1]
     energy = act.query.reshape(b, hkv, hq // hkv, t, d).square().mean((0, 2, 3))
     n = t // group_size * group_size
     if n == 0:
         raise ValueError(f"{t} calibration tokens hold no group of {group_size}")
-    g = act.key_pre[:, :, :n].reshape(b, hkv, n // group_size, group_size, d)
+    g = key[:, :, :n].reshape(b, hkv, n // group_size, group_size, d)
     span = (g.amax(3) - g.amin(3)).square().mean((0, 2))
     return energy * span
 
@@ -114,7 +117,7 @@ def _allocated(t: TensorPolicy, act: LayerActivations, source: str,
         return t.model_copy(update={"reason": t.reason + (
             f"; channel_widths auto: {t.code_levels} levels have one table per width, so "
             "every channel keeps its width")})
-    cost = channel_costs(act, t.group_size)
+    cost = channel_costs(act, t.group_size, t.pre_rope)
     pairs = _pairs(t.head_dim, t.rotary_dim if t.pre_rope else None,
                    t.rope_style if t.pre_rope else None)
     rows = [allocate_widths(cost[h], t.bits, pairs) for h in range(cost.shape[0])]

@@ -169,3 +169,16 @@ def test_kivi_presets_keep_one_width(ids):
     pol = kvpolicy.derive_policy(_planted_model(), policy="kivi-2", calibration=ids,
                                  progress=False)
     assert all(t.channel_widths == "uniform" and not t.widths for t in pol.tensors)
+
+
+def test_post_rope_keys_are_measured_as_stored():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 2, 32, 4, generator=g)
+    pre = torch.randn(1, 1, 32, 4, generator=g)
+    post = pre.clone()
+    post[..., 2] *= 20  # only the stored (post-RoPE) key spreads in channel 2
+    act = LayerActivations(layer=0, query=q, key_pre=pre, key=post, value=pre, scale=1.0)
+    stored, before = channel_costs(act, 8, pre_rope=False), channel_costs(act, 8)
+    assert int(stored[0].argmax()) == 2
+    torch.testing.assert_close(stored[0, 2] / before[0, 2], torch.tensor(400.0))
+    torch.testing.assert_close(stored[0, :2], before[0, :2])
