@@ -18,11 +18,11 @@ from torch import nn
 
 from .analysis.analyse import analyse_model
 from .analysis.config import sliding_windows
-from .calibrate.apply import budget_policy
-from .calibrate.channels import channel_policy
+from .calibrate.apply import budget_policy, channel_policy, channel_text, uniform_widths
 from .compiler import compile_blocks
 from .errors import KVPolicyError, PolicyError
 from .kernels.backend import check_name as check_backend
+from .kernels.layout import CHANNEL_WIDTHS
 from .policy import Calibration, ModelPolicy, PolicySpec, build_policy, load_spec
 from .runtime.install import CompiledModel, install
 from .state import compiled_of, state_of
@@ -90,17 +90,25 @@ def derive_policy(
             f"{spec.source}: rotation: auto is chosen per tensor from a bit budget's "
             "calibration; give a budget (bits=2.5) or rotation: none / hadamard"
         )
-    if spec.budget is not None:
-        result, cal = budget_policy(model, result, spec, calibration, progress=progress)
-        spec = spec.model_copy(update={"calibration": cal})
+    text = None
     if any(t.channel_widths == "auto" for t in result.tensors):
+        # Decided before a budget, whose calibration prices the keys' widths with them.
         ids = calibration if isinstance(calibration, torch.Tensor) else None
         tok = None if calibration is None or ids is not None or isinstance(
             calibration, Calibration) else calibration
         written = ("channel_widths" in spec.defaults.model_fields_set
                    or any(r.channel_widths == "auto" for r in spec.overrides))
-        result = channel_policy(model, result, ids, tokenizer=tok, written=written,
-                                usable=probe_kwargs is None)
+        wanted = spec.budget is not None or written or any(
+            t.channel_widths == "auto" and CHANNEL_WIDTHS[0] < t.bits < CHANNEL_WIDTHS[-1]
+            for t in result.tensors)
+        text = channel_text(model, ids, tok, written, probe_kwargs is None) if wanted else None
+        if text is None:
+            result = uniform_widths(result)
+    if spec.budget is not None:
+        result, cal = budget_policy(model, result, spec, calibration, progress=progress)
+        spec = spec.model_copy(update={"calibration": cal})
+    if text is not None:
+        result = channel_policy(model, result, text, written)
     state_of(model).spec = spec
     return result
 

@@ -19,17 +19,23 @@ calibration and applies the spec's budget.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from ..errors import PolicyError
+from ..errors import AnalysisError, KVPolicyError, PolicyError
 from ..policy import Calibration, ModelPolicy, PolicySpec, TensorPolicy, stored_bits
 from . import budget as measure
+from . import channels
 from .allocate import allocate, allocate_stored
+from .capture import capture_activations
 
-__all__ = ["ROTATION_GAIN", "LEVELS_GAIN", "apply_budget", "budget_policy"]
+__all__ = ["ROTATION_GAIN", "LEVELS_GAIN", "apply_budget", "budget_policy", "channel_text",
+           "channel_policy", "uniform_widths"]
+
+log = logging.getLogger(__name__)
 
 # rotation: auto rotates a value when the rotation cuts its measured cost at the allocated
 # width below this share of the plain cost: a rotation costs a [D, D] matmul of the values
@@ -339,3 +345,95 @@ def budget_policy(
     # ones (runtime.cache.storage_dtype): 16 bits each.
     scale_bits = torch.finfo(measure.scale_dtype(model)).bits
     return apply_budget(base, cal, budget, unit, scale_bits), cal
+
+
+# --------------------------------------------------------------------------- channel widths
+
+
+def _uniform(policy: ModelPolicy, why: str) -> ModelPolicy:
+    """``policy`` with every pending ``channel_widths: auto`` key back to one width."""
+    tensors = tuple(
+        t.model_copy(update={"channel_widths": "uniform", "reason": t.reason + (
+            f"; one width for every channel: {why}" if channels.CHANNEL_WIDTHS[0] < t.bits
+            < channels.CHANNEL_WIDTHS[-1] else "")})
+        if t.channel_widths == "auto" and not t.widths else t
+        for t in policy.tensors
+    )
+    return policy.model_copy(update={"tensors": tensors})
+
+
+def channel_text(model: nn.Module, source: torch.Tensor | None = None, tokenizer: Any = None,
+                 written: bool = True, usable: bool = True) -> tuple[torch.Tensor, str] | None:
+    """The calibration text ``channel_widths: auto`` measures on: ``(ids [B, T], where)``
+    from ``source`` token ids, else the last 512 pydoc tokens in ``tokenizer``'s or the
+    model's own tokenizer; None where there is none and the user did not write ``auto``
+    (kvpolicy's default then keeps one width: :func:`uniform_widths`). Decided before a
+    budget, so that its calibration measures the keys as the cache will store them.
+
+    ``usable``: False where plain forwards of token ids do not take the model's cached
+    path (``probe_kwargs``), which the capture relies on.
+
+    Raises:
+        KVPolicyError: ``written`` and no calibration text can be had.
+    """
+    try:
+        if not usable:
+            raise KVPolicyError(
+                "channel_widths: auto measures the keys with plain forwards of token ids, "
+                "which a model that needs probe_kwargs does not take its cached path on")
+        if source is not None:
+            return source, "user token ids"
+        try:
+            return measure.calibration_ids(model, tokenizer=tokenizer)
+        except KVPolicyError:
+            raise KVPolicyError(
+                f"channel_widths: auto measures where the queries look on calibration text in "
+                f"the model's own tokens, and {type(model).__name__} has no tokenizer saved at "
+                "config._name_or_path; pass calibration=<[B, T] token ids> (about 512 tokens "
+                "of text like yours) or calibration=<a tokenizer>, or set channel_widths: "
+                "uniform") from None
+    except KVPolicyError as e:
+        if written:
+            raise
+        log.info("channel widths stay uniform: %s", e)
+        return None
+
+
+NO_TEXT = ("no calibration text to place them by (pass calibration= token ids or a tokenizer "
+           "to compile_model)")
+
+
+def uniform_widths(policy: ModelPolicy, why: str = NO_TEXT) -> ModelPolicy:
+    """``policy`` with every pending ``channel_widths: auto`` key back to one width, its
+    reason saying ``why`` where the width could have been spread."""
+    return _uniform(policy, why)
+
+
+def channel_policy(model: nn.Module, policy: ModelPolicy, text: tuple[torch.Tensor, str],
+                   written: bool = True) -> ModelPolicy:
+    """``policy`` with every ``channel_widths: auto`` key's widths allocated from one
+    calibration forward of ``model`` on ``text`` (:func:`channel_text`).
+
+    ``written``: the user asked for ``channel_widths: auto``, so that a capture that fails
+    is an error; otherwise (kvpolicy's default) such keys keep one width and their reason
+    says why.
+
+    Raises:
+        KVPolicyError, AnalysisError: ``written`` and the capture failed.
+    """
+    if not any(t.channel_widths == "auto" and not t.widths for t in policy.tensors):
+        return policy
+    ids, where = text
+    try:
+        acts = {a.layer: a for a in capture_activations(model, ids)}
+    except (KVPolicyError, AnalysisError) as e:
+        if written:
+            raise
+        log.info("channel widths stay uniform: %s", e)
+        return _uniform(policy, f"the calibration forward failed ({e})")
+    tensors = tuple(
+        channels.allocated(t, acts[t.layer], where, written)
+        if t.channel_widths == "auto" and not t.widths else t
+        for t in policy.tensors
+    )
+    return policy.model_copy(update={"tensors": tensors})

@@ -80,6 +80,7 @@ from ..policy import (
 from ..zoo.text import pydoc_tokens
 from .allocate import allocate
 from .capture import LayerActivations, capture_activations
+from .channels import places_widths, widths_for
 from .metrics import attention_scores, expand_heads, relative_error, roundtrip
 
 __all__ = [
@@ -366,8 +367,10 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
 
     def key_error(w: int, g: int, levels: str, meta: int = kp.stored_meta_bits) -> float:
         stored = act.key_pre if pre_rope else k
+        # channel_widths: auto prices each width with the widths the cache will place
+        widths = widths_for(act, kp, w, g) if places_widths(kp, w, levels) else None
         spec = QuantSpec(w, g, kp.axis.value, levels, meta,  # type: ignore[arg-type]
-                         kp.fit if meta == 8 else "minmax")
+                         kp.fit if meta == 8 else "minmax", widths)
         k_seg = roundtrip(stored[:, :, seg].contiguous(), spec, store)
         if pre_rope:
             k_seg = reference.apply_rope(k_seg, positions[:, seg], rope)

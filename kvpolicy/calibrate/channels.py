@@ -6,7 +6,8 @@ A key enters attention only through ``q · k``, so the error of channel ``c`` co
 carry most of the query's energy, a few others most of the key's range), so one width for
 every channel spends bits where the queries never look. This module measures
 ``E[q_c²]`` and the mean squared group range ``E[r_c²]`` per kv head and channel on a
-calibration text (one forward, :func:`~kvpolicy.calibrate.capture.capture_activations`),
+calibration text (one forward, :func:`kvpolicy.calibrate.apply.channel_policy`; a budget's
+calibration prices each key width with them too, :mod:`kvpolicy.calibrate.budget`),
 and gives each head's channels widths among :data:`~kvpolicy.kernels.layout.CHANNEL_WIDTHS`
 that keep the head's total at ``bits * head_dim`` (so the packed shapes do not change) by
 greedy marginal gain of the cost ``E[q²] · E[r²] / (2^b - 1)²``: exact for this convex,
@@ -21,21 +22,13 @@ rotation preserves.
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
 import torch
-from torch import nn
 
-from ..errors import AnalysisError, KVPolicyError
 from ..kernels.layout import CHANNEL_WIDTHS
-from ..policy import ModelPolicy, TensorPolicy
-from .budget import calibration_ids
-from .capture import LayerActivations, capture_activations
+from ..policy import TensorPolicy
+from .capture import LayerActivations
 
-__all__ = ["channel_costs", "allocate_widths", "channel_policy"]
-
-log = logging.getLogger(__name__)
+__all__ = ["channel_costs", "allocate_widths", "widths_for", "places_widths", "allocated"]
 
 
 def channel_costs(act: LayerActivations, group_size: int, pre_rope: bool = True
@@ -98,12 +91,31 @@ def allocate_widths(cost: torch.Tensor, bits: int, pairs: list[list[int]]
     return tuple(out)
 
 
+def widths_for(act: LayerActivations, t: TensorPolicy, bits: int, group_size: int
+               ) -> tuple[tuple[int, ...], ...] | None:
+    """Per-head widths of key ``t`` at ``bits`` in groups of ``group_size`` from ``act``,
+    or None where the RoPE pairs cannot meet a head's total (the budget's calibration
+    measures a key's candidate widths with them, as the cache will store it)."""
+    cost = channel_costs(act, group_size, t.pre_rope)
+    pairs = _pairs(t.head_dim, t.rotary_dim if t.pre_rope else None,
+                   t.rope_style if t.pre_rope else None)
+    rows = [allocate_widths(cost[h], bits, pairs) for h in range(cost.shape[0])]
+    return None if any(r is None for r in rows) else tuple(rows)  # type: ignore[arg-type]
+
+
+def places_widths(t: TensorPolicy, bits: int, levels: str) -> bool:
+    """Whether ``channel_widths: auto`` places widths on key ``t`` at ``bits`` with
+    ``levels``: uniform levels and a width with narrower and wider ones around it."""
+    return (t.channel_widths == "auto" and levels == "uniform"
+            and CHANNEL_WIDTHS[0] < bits < CHANNEL_WIDTHS[-1])
+
+
 def _histogram(widths: tuple[tuple[int, ...], ...]) -> str:
     flat = [w for row in widths for w in row]
     return "/".join(str(flat.count(w)) for w in CHANNEL_WIDTHS)
 
 
-def _allocated(t: TensorPolicy, act: LayerActivations, source: str,
+def allocated(t: TensorPolicy, act: LayerActivations, source: str,
                written: bool) -> TensorPolicy:
     if t.full_precision or not CHANNEL_WIDTHS[0] < t.bits < CHANNEL_WIDTHS[-1]:
         if not written:  # kvpolicy's own default: nothing to say where nothing is traded
@@ -117,15 +129,12 @@ def _allocated(t: TensorPolicy, act: LayerActivations, source: str,
         return t.model_copy(update={"reason": t.reason + (
             f"; channel_widths auto: {t.code_levels} levels have one table per width, so "
             "every channel keeps its width")})
-    cost = channel_costs(act, t.group_size, t.pre_rope)
-    pairs = _pairs(t.head_dim, t.rotary_dim if t.pre_rope else None,
-                   t.rope_style if t.pre_rope else None)
-    rows = [allocate_widths(cost[h], t.bits, pairs) for h in range(cost.shape[0])]
-    if any(r is None for r in rows):
+    widths = widths_for(act, t, t.bits, t.group_size)
+    if widths is None:
         return t.model_copy(update={"reason": t.reason + (
             "; channel_widths auto: the RoPE pairs cannot meet the head's total exactly, so "
             "every channel keeps its width")})
-    widths = tuple(rows)  # type: ignore[arg-type]
+    cost = channel_costs(act, t.group_size, t.pre_rope)
     share = cost.sum(1, keepdim=True).clamp_min(1e-30)
     top = (cost / share).sort(1, descending=True).values[:, : t.head_dim // 8].sum(1).mean()
     text = (f"; channel widths {'/'.join(map(str, CHANNEL_WIDTHS))} bits on "
@@ -134,67 +143,3 @@ def _allocated(t: TensorPolicy, act: LayerActivations, source: str,
             f"top eighth of channels carry {top:.0%} of that cost")
     # Validated (model_copy would not): the widths' shape and totals against the tensor.
     return TensorPolicy(**{**t.model_dump(), "widths": widths, "reason": t.reason + text})
-
-
-def _uniform(policy: ModelPolicy, why: str) -> ModelPolicy:
-    """``policy`` with every pending ``channel_widths: auto`` key back to one width."""
-    tensors = tuple(
-        t.model_copy(update={"channel_widths": "uniform", "reason": t.reason + (
-            f"; one width for every channel: {why}" if CHANNEL_WIDTHS[0] < t.bits
-            < CHANNEL_WIDTHS[-1] else "")})
-        if t.channel_widths == "auto" and not t.widths else t
-        for t in policy.tensors
-    )
-    return policy.model_copy(update={"tensors": tensors})
-
-
-def channel_policy(model: nn.Module, policy: ModelPolicy, source: torch.Tensor | None = None,
-                   tokenizer: Any = None, written: bool = True,
-                   usable: bool = True) -> ModelPolicy:
-    """``policy`` with every ``channel_widths: auto`` key's widths allocated from one
-    calibration forward of ``model`` on ``source`` (``[B, T]`` token ids; default: the last
-    512 pydoc tokens in ``tokenizer``'s or the model's own tokenizer).
-
-    ``written``: the user asked for ``channel_widths: auto``, so that a calibration that
-    cannot run is an error; otherwise (kvpolicy's default) such keys keep one width and
-    their reason says why. ``usable``: False where plain forwards of token ids do not take
-    the model's cached path (``probe_kwargs``), which the capture relies on.
-
-    Raises:
-        KVPolicyError: ``written`` and no calibration text, or the capture failed.
-    """
-    wanted = [t for t in policy.tensors if t.channel_widths == "auto" and not t.widths]
-    if not wanted:
-        return policy
-    if not any(CHANNEL_WIDTHS[0] < t.bits < CHANNEL_WIDTHS[-1] for t in wanted) and not written:
-        return _uniform(policy, "")
-    try:
-        if not usable:
-            raise KVPolicyError(
-                "channel_widths: auto measures the keys with plain forwards of token ids, "
-                "which a model that needs probe_kwargs does not take its cached path on")
-        if source is None:
-            try:
-                source, where = calibration_ids(model, tokenizer=tokenizer)
-            except KVPolicyError:
-                raise KVPolicyError(
-                    f"channel_widths: auto measures where the queries look on calibration "
-                    f"text in the model's own tokens, and {type(model).__name__} has no "
-                    "tokenizer saved at config._name_or_path; pass calibration=<[B, T] token "
-                    "ids> (about 512 tokens of text like yours) or calibration=<a tokenizer>, "
-                    "or set channel_widths: uniform") from None
-        else:
-            where = "user token ids"
-        acts = {a.layer: a for a in capture_activations(model, source)}
-    except (KVPolicyError, AnalysisError) as e:
-        if written:
-            raise
-        log.info("channel widths stay uniform: %s", e)
-        return _uniform(policy, "no calibration text to place them by (pass calibration= "
-                        "token ids or a tokenizer to compile_model)")
-    tensors = tuple(
-        _allocated(t, acts[t.layer], where, written)
-        if t.channel_widths == "auto" and not t.widths else t
-        for t in policy.tensors
-    )
-    return policy.model_copy(update={"tensors": tensors})

@@ -492,7 +492,10 @@ class ModelPolicy(Frozen):
         the rotation (when there is one), the candidate group sizes (when a stored-bits
         budget chooses the group: the calibration measured each, on their common packing
         schedule) and whether a rule pins it at full precision (the cache then packs the
-        layer's other tensor token by token)."""
+        layer's other tensor token by token). Not per-channel key widths: a calibration
+        measured with them (``channel_widths: auto`` with calibration text) and reused
+        without (or the reverse) prices the keys a little off, but what it measures is the
+        same tensor at the same width."""
         parts = [self.model] + [
             f"{t.layer}{t.tensor.value[0]}:{t.axis.value}:{t.group_size}:{int(t.pre_rope)}:"
             f"{t.residual}:{t.sinks}:{t.num_kv_heads}x{t.head_dim}"

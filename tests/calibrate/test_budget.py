@@ -349,7 +349,10 @@ def test_pinned_rule_is_honoured_and_counted(tiny_calibrated):
 
 def test_smollm2_budget_allocation(smollm2):
     model, tokenizer = smollm2
-    pol = kvpolicy.derive_policy(model, bits=2.5, progress=False)
+    # One width per key: what this allocation was measured with (per-channel widths make
+    # 2-bit keys cheaper: below).
+    pol = kvpolicy.derive_policy(
+        model, policy={"defaults": {"bits": 2.5, "channel_widths": "uniform"}}, progress=False)
     cal = pol.calibration
     assert cal.source == "pydoc text, last 512 tokens" and cal.tokens == 512
     assert 2.45 <= pol.avg_bits <= 2.5
@@ -368,3 +371,12 @@ def test_smollm2_budget_allocation(smollm2):
     assert sum(k > v for k, v in zip(k2, v2, strict=True)) >= 25
     # Model parameters are left as they were: no gradients kept.
     assert all(p.grad is None for p in model.parameters())
+    # channel_widths: auto (the default) prices each key width with the widths the cache
+    # will place: 2-bit keys cost less than with one width in most layers.
+
+    spread = kvpolicy.derive_policy(model, bits=2.5, progress=False)
+    k2_spread = [spread.calibration.errors(i, "key")[2] for i in pol.layers]
+    cheaper = sum(a < b for a, b in zip(k2_spread, k2, strict=True))
+    assert cheaper >= 20, (cheaper, sum(k2_spread) / sum(k2))
+    assert sum(k2_spread) < 0.6 * sum(k2), sum(k2_spread) / sum(k2)
+    assert any(t.widths for t in spread.tensors)
