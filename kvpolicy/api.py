@@ -19,10 +19,10 @@ from torch import nn
 from .analysis.analyse import analyse_model
 from .analysis.config import sliding_windows
 from .calibrate.apply import budget_policy, channel_policy, channel_text, uniform_widths
+from .calibrate.channels import spreads
 from .compiler import compile_blocks
 from .errors import KVPolicyError, PolicyError
 from .kernels.backend import check_name as check_backend
-from .kernels.layout import CHANNEL_WIDTHS
 from .policy import Calibration, ModelPolicy, PolicySpec, build_policy, load_spec
 from .runtime.install import CompiledModel, install
 from .state import compiled_of, state_of
@@ -99,8 +99,7 @@ def derive_policy(
         written = ("channel_widths" in spec.defaults.model_fields_set
                    or any(r.channel_widths == "auto" for r in spec.overrides))
         wanted = spec.budget is not None or written or any(
-            t.channel_widths == "auto" and CHANNEL_WIDTHS[0] < t.bits < CHANNEL_WIDTHS[-1]
-            for t in result.tensors)
+            t.channel_widths == "auto" and spreads(t.bits) for t in result.tensors)
         text = channel_text(model, ids, tok, written, probe_kwargs is None) if wanted else None
         if text is None:
             result = uniform_widths(result)

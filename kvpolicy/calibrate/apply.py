@@ -350,18 +350,6 @@ def budget_policy(
 # --------------------------------------------------------------------------- channel widths
 
 
-def _uniform(policy: ModelPolicy, why: str) -> ModelPolicy:
-    """``policy`` with every pending ``channel_widths: auto`` key back to one width."""
-    tensors = tuple(
-        t.model_copy(update={"channel_widths": "uniform", "reason": t.reason + (
-            f"; one width for every channel: {why}" if channels.CHANNEL_WIDTHS[0] < t.bits
-            < channels.CHANNEL_WIDTHS[-1] else "")})
-        if t.channel_widths == "auto" and not t.widths else t
-        for t in policy.tensors
-    )
-    return policy.model_copy(update={"tensors": tensors})
-
-
 def channel_text(model: nn.Module, source: torch.Tensor | None = None, tokenizer: Any = None,
                  written: bool = True, usable: bool = True) -> tuple[torch.Tensor, str] | None:
     """The calibration text ``channel_widths: auto`` measures on: ``(ids [B, T], where)``
@@ -406,7 +394,13 @@ NO_TEXT = ("no calibration text to place them by (pass calibration= token ids or
 def uniform_widths(policy: ModelPolicy, why: str = NO_TEXT) -> ModelPolicy:
     """``policy`` with every pending ``channel_widths: auto`` key back to one width, its
     reason saying ``why`` where the width could have been spread."""
-    return _uniform(policy, why)
+    tensors = tuple(
+        t.model_copy(update={"channel_widths": "uniform", "reason": t.reason + (
+            f"; one width for every channel: {why}" if channels.spreads(t.bits) else "")})
+        if t.channel_widths == "auto" and not t.widths else t
+        for t in policy.tensors
+    )
+    return policy.model_copy(update={"tensors": tensors})
 
 
 def channel_policy(model: nn.Module, policy: ModelPolicy, text: tuple[torch.Tensor, str],
@@ -430,7 +424,7 @@ def channel_policy(model: nn.Module, policy: ModelPolicy, text: tuple[torch.Tens
         if written:
             raise
         log.info("channel widths stay uniform: %s", e)
-        return _uniform(policy, f"the calibration forward failed ({e})")
+        return uniform_widths(policy, f"the calibration forward failed ({e})")
     tensors = tuple(
         channels.allocated(t, acts[t.layer], where, written)
         if t.channel_widths == "auto" and not t.widths else t

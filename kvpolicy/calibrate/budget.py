@@ -365,10 +365,17 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
     rotated_errs: Rows | None = {g: [] for g in value_groups} if vp.rotation == "auto" else None
     rotations = ("none", "hadamard") if vp.rotation == "auto" else (vp.rotation,)
 
+    placed: dict[tuple[int, int], tuple[tuple[int, ...], ...] | None] = {}
+
     def key_error(w: int, g: int, levels: str, meta: int = kp.stored_meta_bits) -> float:
         stored = act.key_pre if pre_rope else k
         # channel_widths: auto prices each width with the widths the cache will place
-        widths = widths_for(act, kp, w, g) if places_widths(kp, w, levels) else None
+        # (once per width and group: both metadata widths read the same ones)
+        widths = None
+        if places_widths(kp, w, levels):
+            if (w, g) not in placed:
+                placed[(w, g)] = widths_for(act, kp, w, g)
+            widths = placed[(w, g)]
         spec = QuantSpec(w, g, kp.axis.value, levels, meta,  # type: ignore[arg-type]
                          kp.fit if meta == 8 else "minmax", widths)
         k_seg = roundtrip(stored[:, :, seg].contiguous(), spec, store)

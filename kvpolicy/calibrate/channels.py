@@ -28,7 +28,8 @@ from ..kernels.layout import CHANNEL_WIDTHS
 from ..policy import TensorPolicy
 from .capture import LayerActivations
 
-__all__ = ["channel_costs", "allocate_widths", "widths_for", "places_widths", "allocated"]
+__all__ = ["channel_costs", "allocate_widths", "widths_for", "spreads", "places_widths",
+           "allocated"]
 
 
 def channel_costs(act: LayerActivations, group_size: int, pre_rope: bool = True
@@ -91,23 +92,34 @@ def allocate_widths(cost: torch.Tensor, bits: int, pairs: list[list[int]]
     return tuple(out)
 
 
-def widths_for(act: LayerActivations, t: TensorPolicy, bits: int, group_size: int
-               ) -> tuple[tuple[int, ...], ...] | None:
-    """Per-head widths of key ``t`` at ``bits`` in groups of ``group_size`` from ``act``,
-    or None where the RoPE pairs cannot meet a head's total (the budget's calibration
-    measures a key's candidate widths with them, as the cache will store it)."""
-    cost = channel_costs(act, group_size, t.pre_rope)
+def _head_widths(cost: torch.Tensor, t: TensorPolicy, bits: int
+                 ) -> tuple[tuple[int, ...], ...] | None:
+    """Per-head widths of key ``t`` at ``bits`` from its costs ``[Hkv, D]``
+    (:func:`channel_costs`), or None where the RoPE pairs cannot meet a head's total."""
     pairs = _pairs(t.head_dim, t.rotary_dim if t.pre_rope else None,
                    t.rope_style if t.pre_rope else None)
     rows = [allocate_widths(cost[h], bits, pairs) for h in range(cost.shape[0])]
     return None if any(r is None for r in rows) else tuple(rows)  # type: ignore[arg-type]
 
 
+def widths_for(act: LayerActivations, t: TensorPolicy, bits: int, group_size: int
+               ) -> tuple[tuple[int, ...], ...] | None:
+    """Per-head widths of key ``t`` at ``bits`` in groups of ``group_size`` from ``act``,
+    or None where the RoPE pairs cannot meet a head's total (the budget's calibration
+    measures a key's candidate widths with them, as the cache will store it)."""
+    return _head_widths(channel_costs(act, group_size, t.pre_rope), t, bits)
+
+
+def spreads(bits: int) -> bool:
+    """Whether a key at ``bits`` has narrower and wider widths around it to trade between
+    its channels (:data:`~kvpolicy.kernels.layout.CHANNEL_WIDTHS`)."""
+    return CHANNEL_WIDTHS[0] < bits < CHANNEL_WIDTHS[-1]
+
+
 def places_widths(t: TensorPolicy, bits: int, levels: str) -> bool:
     """Whether ``channel_widths: auto`` places widths on key ``t`` at ``bits`` with
-    ``levels``: uniform levels and a width with narrower and wider ones around it."""
-    return (t.channel_widths == "auto" and levels == "uniform"
-            and CHANNEL_WIDTHS[0] < bits < CHANNEL_WIDTHS[-1])
+    ``levels``: uniform levels and a width that :func:`spreads`."""
+    return t.channel_widths == "auto" and levels == "uniform" and spreads(bits)
 
 
 def _histogram(widths: tuple[tuple[int, ...], ...]) -> str:
@@ -117,7 +129,7 @@ def _histogram(widths: tuple[tuple[int, ...], ...]) -> str:
 
 def allocated(t: TensorPolicy, act: LayerActivations, source: str,
                written: bool) -> TensorPolicy:
-    if t.full_precision or not CHANNEL_WIDTHS[0] < t.bits < CHANNEL_WIDTHS[-1]:
+    if t.full_precision or not spreads(t.bits):
         if not written:  # kvpolicy's own default: nothing to say where nothing is traded
             return t.model_copy(update={"channel_widths": "uniform"})
         return t.model_copy(update={"reason": t.reason + (
@@ -129,12 +141,12 @@ def allocated(t: TensorPolicy, act: LayerActivations, source: str,
         return t.model_copy(update={"reason": t.reason + (
             f"; channel_widths auto: {t.code_levels} levels have one table per width, so "
             "every channel keeps its width")})
-    widths = widths_for(act, t, t.bits, t.group_size)
+    cost = channel_costs(act, t.group_size, t.pre_rope)
+    widths = _head_widths(cost, t, t.bits)
     if widths is None:
         return t.model_copy(update={"reason": t.reason + (
             "; channel_widths auto: the RoPE pairs cannot meet the head's total exactly, so "
             "every channel keeps its width")})
-    cost = channel_costs(act, t.group_size, t.pre_rope)
     share = cost.sum(1, keepdim=True).clamp_min(1e-30)
     top = (cost / share).sort(1, descending=True).values[:, : t.head_dim // 8].sum(1).mean()
     text = (f"; channel widths {'/'.join(map(str, CHANNEL_WIDTHS))} bits on "

@@ -152,7 +152,7 @@ def encode_groups(
     if spec.meta8:
         return _encode_meta8(groups, spec)
     if spec.uniform:
-        top = _top(spec, groups.device)
+        top = _top(spec, groups)
         lo = groups.amin(dim=-1)
         hi = groups.amax(dim=-1)
         zero = lo.to(dtype)
@@ -179,7 +179,7 @@ def _encode_meta8(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`encode_groups` with 8-bit metadata (uniform levels): a uint8 scale index into
     :func:`~kvpolicy.kernels.layout.scale_table` and an int8 zero point."""
-    top = _top(spec, groups.device)
+    top = _top(spec, groups)
     lo = groups.amin(dim=-1)
     hi = groups.amax(dim=-1)
     # The step the group needs, widened so that its zero point fits an int8.
@@ -213,12 +213,14 @@ def _grid(groups: torch.Tensor, s32: torch.Tensor, low: torch.Tensor,
     return codes, point, z32
 
 
-def _top(spec: QuantSpec, device: torch.device) -> int | torch.Tensor:
-    """The largest code: ``2**bits - 1``, or with per-channel widths a ``[H, 1, D]`` fp32
-    tensor that broadcasts over channel groups' ``[B, H, T//G, D]``."""
+def _top(spec: QuantSpec, groups: torch.Tensor) -> int | torch.Tensor:
+    """The largest code: ``2**bits - 1``, or with per-channel widths (checked against
+    channel groups ``[B, H, T//G, D, G]``) a ``[H, 1, D]`` fp32 tensor that broadcasts over
+    their ``[B, H, T//G, D]``."""
     if spec.widths is None:
         return (1 << spec.bits) - 1
-    w = torch.tensor(spec.widths, dtype=torch.float32, device=device)
+    check_widths_shape(spec, groups.shape[1], groups.shape[3])
+    w = torch.tensor(spec.widths, dtype=torch.float32, device=groups.device)
     return (2.0 ** w - 1).unsqueeze(1)
 
 
@@ -341,8 +343,6 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
     if spec.full_precision:
         empty = x.new_empty(0, dtype=dtype)
         return Packed(x.to(dtype), empty, empty)
-    if spec.widths is not None:
-        check_widths_shape(spec, x.shape[1], x.shape[3])
     groups = _grouped(x, spec).float()  # [..., n_groups_a, n_groups_b, G]
     codes, scale, zero = encode_groups(groups, spec, dtype)
     b, h, t, d = x.shape

@@ -171,8 +171,6 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
             )
         # The reference's view (each group along the last dim), so that the reductions
         # and the codes are bit-identical to it.
-        if spec.widths is not None:
-            reference.check_widths_shape(spec, h, d)
         groups = x.reshape(b, h, t // g, g, d).float().transpose(3, 4)
     else:
         if d % g != 0:
