@@ -4,6 +4,8 @@ One forward of an *uncompiled* model records the real query, key (before and aft
 and value of every attention layer as its consumer saw them, and optionally the gradient of
 the next-token loss with respect to every attention output; :mod:`kvpolicy.calibrate.metrics`
 measures quantization errors on them and :mod:`kvpolicy.calibrate.budget` allocates bits.
+Without the gradient the forward stops after the last attention layer: the model's head
+and its ``[B, T, vocab]`` logits (100 MB for 512 tokens of SmolLM2 in fp32) are never built.
 
     acts = capture_activations(model, input_ids)
 
@@ -176,6 +178,12 @@ class _SDPAWatch(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _AllCaptured(Exception):
+    """Raised from the last attention layer's forward hook when no gradient is wanted: the
+    rest of the forward (the remaining blocks, the ``[B, T, vocab]`` logits) would only
+    cost memory."""
+
+
 def _sdpa_arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
     if len(args) > index:
         return args[index]
@@ -263,6 +271,7 @@ def capture_activations(
     active: list[int] = []
     calls: dict[int, tuple[tuple, dict]] = {}
     seen: dict[int, tuple[tuple, dict]] = {}
+    probes: dict[int, torch.Tensor] | None = {} if loss_grad else None
     handles = []
     for i, mod in enumerate(analysis.modules):
 
@@ -272,10 +281,11 @@ def capture_activations(
 
         def post(mod, args, kwargs, out):
             active.pop()
+            if probes is None and len(seen) == len(analysis.modules):
+                raise _AllCaptured  # nothing after the last attention layer is needed
 
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(post, with_kwargs=True))
-    probes: dict[int, torch.Tensor] | None = {} if loss_grad else None
     grads: dict[int, torch.Tensor] = {}
     was_training = model.training
     model.eval()
@@ -288,6 +298,8 @@ def capture_activations(
             if probes:
                 grads = _loss_grads(out, input_ids, probes)
             del out
+    except _AllCaptured:
+        pass  # the forward stopped after the last attention layer (no logits are built)
     finally:
         for h in handles:
             h.remove()
@@ -301,7 +313,7 @@ def capture_activations(
                 f"attention layer {i} did not call scaled_dot_product_attention; load the "
                 "model with attn_implementation='sdpa' to capture its activations"
             )
-        args, kwargs = seen[i]
+        args, kwargs = seen.pop(i)  # the model's own tensors go as their fp32 copies come
         q = _sdpa_arg(args, kwargs, 0, "query", None).detach().to(torch.float32, copy=True)
         k = _sdpa_arg(args, kwargs, 1, "key", None).detach().to(torch.float32, copy=True)
         v = _sdpa_arg(args, kwargs, 2, "value", None).detach().to(torch.float32, copy=True)

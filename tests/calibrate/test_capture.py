@@ -142,6 +142,28 @@ def test_loss_grad_is_the_gradient_of_the_next_token_loss(arch: str) -> None:
     assert capture_activations(model, ids)[0].out_grad is None
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_capture_stops_after_the_last_attention_layer(arch: str) -> None:
+    """Without a gradient the forward stops once every layer's attention ran: the model's
+    head (the [B, T, vocab] logits) never runs, the activations are those a whole forward
+    sees, and the hooks are gone afterwards (the model still runs whole)."""
+    model = tiny_model(arch)
+    analyse_model(model)  # its probe forwards run the head; the capture reuses its result
+    head = model.get_output_embeddings()
+    calls: list[int] = []
+    handle = head.register_forward_hook(lambda *a: calls.append(1))
+    ids = _ids(2, 24)
+    short = capture_activations(model, ids)
+    assert calls == []
+    whole = capture_activations(model, ids, loss_grad=True)
+    assert calls == [1]
+    for a, b in zip(short, whole, strict=True):
+        for name in ("query", "key_pre", "key", "value"):
+            assert torch.equal(getattr(a, name), getattr(b, name))
+    handle.remove()
+    model(ids)  # no hook of the capture is left to stop it
+
+
 def test_loss_grad_inside_inference_mode_and_for_a_frozen_model() -> None:
     """Same gradients when called under ``torch.inference_mode()`` and when no parameter
     requires grad (an inference-only model)."""
