@@ -236,6 +236,21 @@ def test_calibration_is_deterministic(tiny_calibrated):
     assert other.layers != cal.layers
 
 
+def test_rows_calibrate_one_at_a_time_and_add(tiny_calibrated):
+    """The loss-weighted errors sum over rows: a two-row calibration (measured a row at a
+    time) is the sum of the two one-row ones, entry by entry."""
+    model, base, cal = tiny_calibrated
+    other = calibration_ids(seed=2)
+    both = budget.calibrate(model, base, torch.cat([calibration_ids(), other]), progress=False)
+    alone = budget.calibrate(model, base, other, progress=False)
+    assert both.rows == 2 and both.tokens == 96
+    for b, one, two in zip(both.layers, cal.layers, alone.layers, strict=True):
+        for row in ("key", "value"):
+            got, a, c = getattr(b, row), getattr(one, row), getattr(two, row)
+            assert got == pytest.approx([x + y for x, y in zip(a, c, strict=True)], rel=1e-4)
+            assert all(g > max(x, y) for g, x, y in zip(got, a, c, strict=True))
+
+
 def test_full_precision_pin_is_part_of_the_calibration(tiny_calibrated):
     """A key pinned at 16 bits makes the cache pack that layer's values token by token: the
     calibration measures that schedule, and a table measured without the pin is refused."""
@@ -354,7 +369,9 @@ def test_smollm2_budget_allocation(smollm2):
     pol = kvpolicy.derive_policy(
         model, policy={"defaults": {"bits": 2.5, "channel_widths": "uniform"}}, progress=False)
     cal = pol.calibration
-    assert cal.source == "pydoc text, last 512 tokens" and cal.tokens == 512
+    assert cal.source == "pydoc text, last 2048 tokens as 4 rows of 512"
+    assert (cal.rows, cal.tokens) == (4, 512)
+    assert (budget.CALIBRATION_ROWS, budget.CALIBRATION_TOKENS) == (4, 512)
     assert 2.45 <= pol.avg_bits <= 2.5
     assert cal.metric == "loss-weighted attention-output error"
     keys = [t.bits for t in pol.tensors[::2]]
