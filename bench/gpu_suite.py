@@ -17,9 +17,11 @@ and last the capture of a whole decode step):
     - ``SDPA fp16``: ``F.scaled_dot_product_attention`` over fp16 post-RoPE K/V with
       ``enable_gqa=True``, the flash backend pinned (``sdpa_kernel(FLASH_ATTENTION)``; if flash
       refuses, the row names what ran instead);
-    - ``kvpolicy attend``: a ``PackedKVLayer`` with compile_model(bits=2)'s defaults (keys 2-bit
-      per channel, values 2-bit per token, groups of 16 with 8-bit scales and zeros, residual
-      128, sinks 4: the specs ``derive_policy`` gives the suite's model), pre-RoPE keys with
+    - ``kvpolicy attend``: a ``PackedKVLayer`` with compile_model(bits=2)'s defaults (keys
+      per channel in groups of 12 tokens with per-channel widths averaging 2 bits, values
+      2-bit per token in groups of 32 channels, 8-bit scales and zeros, residual 128, sinks
+      4: the specs ``derive_policy`` gives the suite's model with 512 random token ids as
+      calibration text, printed in the header), pre-RoPE keys with
       a rotate_half table in the table dtype a compiled model's cache hands its layers (the
       model's fp16 for Triton, fp32 for the torch backend), timed through
       ``layer.attend(q)``: the whole step as a compiled model runs it, Python included;
@@ -433,6 +435,7 @@ class SuitePolicy(NamedTuple):
     residual: int
     sinks: int
     quanto_group: int
+    value_rotation: str = "none"  # applied around the layer (runtime.attend), not inside
 
 
 @dataclass
@@ -468,11 +471,24 @@ class Context:
             import kvpolicy
             from kvpolicy.policy import load_spec
 
-            pol = kvpolicy.derive_policy(self.base_model(), bits=2, progress=False)
+            pol = kvpolicy.derive_policy(self.base_model(), bits=2,
+                                         calibration=self.calibration_ids(), progress=False)
             key, value = pol.get(pol.layers[0], "key"), pol.get(pol.layers[0], "value")
             self._policy = SuitePolicy(key.quant_spec(), value.quant_spec(), key.residual,
-                                       key.sinks, load_spec(None, bits=2).defaults.group_size)
+                                       key.sinks, load_spec(None, bits=2).defaults.group_size,
+                                       value.rotation)
         return self._policy
+
+    def calibration_ids(self) -> torch.Tensor:
+        """``[1, CALIBRATION_TOKENS]`` random token ids (seeded) that the 2-bit compile places
+        its per-channel key widths from (``channel_widths: auto``, the default): the random
+        model has no tokenizer, and without calibration text the default keeps one width per
+        key, which is not the path ``compile_model(bits=2)`` gives a model with one."""
+        from kvpolicy.calibrate.budget import CALIBRATION_TOKENS
+
+        gen = torch.Generator().manual_seed(7)
+        ids = torch.randint(3, self.shapes.vocab, (1, CALIBRATION_TOKENS), generator=gen)
+        return ids.to(self.device)
 
     def rope(self, positions: int):
         """The rotary table a compiled model's cache hands its layers: in the model's dtype
@@ -517,7 +533,8 @@ class Context:
         import kvpolicy
 
         return kvpolicy.compile_model(copy.deepcopy(self.base_model()), bits=bits,
-                                      backend=self.backend, progress=False)
+                                      backend=self.backend, progress=False,
+                                      calibration=self.calibration_ids())
 
     def quanto_label(self) -> str:
         """Prepare quanto's unpack kernel once; the label its rows carry."""
@@ -1235,7 +1252,13 @@ def header(ctx: Context, args: argparse.Namespace, tiny: bool) -> list[str]:
     lines.append(
         f"shapes: {s.q_heads} query heads, {s.kv_heads} KV heads, head_dim {s.head_dim}; "
         f"kvpolicy: 2-bit keys per channel (pre-RoPE, rotate_half), 2-bit values per token, "
-        f"G={p.key.group_size}, {p.key.meta_bits}-bit scales and zeros, residual "
+        f"keys in groups of {p.key.group_size} tokens"
+        + (" with per-channel widths (placed from 512 random token ids)"
+           if p.key.widths is not None else "")
+        + f", values in groups of {p.value.group_size} channels"
+        + (f" ({p.value_rotation}-rotated in the model rows)"
+           if p.value_rotation != "none" else "")
+        + f", {p.key.meta_bits}-bit scales and zeros, residual "
         f"{p.residual}, sinks {p.sinks} (compile_model(bits=2)'s defaults), "
         f"{ctx.backend} backend, rotary table in "
         f"{str(ctx.rope(1).cos.dtype).replace('torch.', '')}")
