@@ -30,7 +30,7 @@ from ..policy import Calibration, ModelPolicy, PolicySpec, TensorPolicy, stored_
 from . import budget as measure
 from . import channels
 from .allocate import allocate, allocate_stored
-from .capture import capture_activations
+from .capture import LayerActivations, reduce_activations
 
 __all__ = ["ROTATION_GAIN", "LEVELS_GAIN", "apply_budget", "budget_policy", "channel_text",
            "channel_policy", "uniform_widths"]
@@ -418,16 +418,21 @@ def channel_policy(model: nn.Module, policy: ModelPolicy, text: tuple[torch.Tens
     if not any(t.channel_widths == "auto" and not t.widths for t in policy.tensors):
         return policy
     ids, where = text
-    try:
-        acts = {a.layer: a for a in capture_activations(model, ids)}
+    pending: dict[int, list[TensorPolicy]] = {}
+    for t in policy.tensors:
+        if t.channel_widths == "auto" and not t.widths:
+            pending.setdefault(t.layer, []).append(t)
+
+    def place(act: LayerActivations) -> list[TensorPolicy]:
+        return [channels.allocated(t, act, where, written) for t in pending.get(act.layer, [])]
+
+    try:  # one layer's activations at a time: only the placed policies are kept
+        placed = reduce_activations(model, ids, place)
     except (KVPolicyError, AnalysisError) as e:
         if written:
             raise
         log.info("channel widths stay uniform: %s", e)
         return uniform_widths(policy, f"the calibration forward failed ({e})")
-    tensors = tuple(
-        channels.allocated(t, acts[t.layer], where, written)
-        if t.channel_widths == "auto" and not t.widths else t
-        for t in policy.tensors
-    )
+    new = {(t.layer, t.tensor): t for ts in placed.values() for t in ts}
+    tensors = tuple(new.get((t.layer, t.tensor), t) for t in policy.tensors)
     return policy.model_copy(update={"tensors": tensors})

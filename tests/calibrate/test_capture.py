@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from kvpolicy import analyse_model, compile_model, derive_policy
 from kvpolicy.calibrate import budget
-from kvpolicy.calibrate.capture import _fold_heads, capture_activations
+from kvpolicy.calibrate.capture import _fold_heads, capture_activations, reduce_activations
 from kvpolicy.errors import AnalysisError, KVPolicyError
 from kvpolicy.kernels import reference
 from kvpolicy.zoo.tiny import tiny_model
@@ -214,10 +216,35 @@ def test_loss_grad_needs_logits_over_the_vocabulary(what: str, match: str) -> No
     assert pol.budget == 2.5 and pol.avg_bits <= 2.5
 
 
+@pytest.mark.parametrize("arch", list(SHAPES))
+def test_reduce_activations_sees_what_capture_sees_one_layer_at_a_time(captured, arch: str
+                                                                       ) -> None:
+    """reduce_activations hands fn each layer's activations, the same tensors
+    capture_activations returns (RoPE, partial rotary and none), and lets go of a layer's
+    before the next one's are made."""
+    alive: list[weakref.ref] = []
+    held: list[int] = []
+
+    def fn(act):
+        held.append(sum(r() is not None for r in alive))
+        alive.extend(weakref.ref(getattr(act, n)) for n in ("query", "key_pre", "value"))
+        return {n: getattr(act, n).clone() for n in ("query", "key_pre", "key", "value")}
+
+    got = reduce_activations(tiny_model(arch), _ids(), fn)
+    want = captured[arch]
+    assert sorted(got) == [a.layer for a in want]
+    for a in want:
+        for name, x in got[a.layer].items():
+            assert torch.equal(x, getattr(a, name)), (a.layer, name)
+    assert held == [0] * len(want)
+
+
 def test_eager_attention_is_refused() -> None:
     model = tiny_model("llama", attn_implementation="eager")
     with pytest.raises(AnalysisError, match="attn_implementation='sdpa'"):
         capture_activations(model, _ids())
+    with pytest.raises(AnalysisError, match="attn_implementation='sdpa'"):
+        reduce_activations(model, _ids(), lambda act: None)
 
 
 def test_compiled_model_is_refused() -> None:
