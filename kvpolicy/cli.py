@@ -99,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="for a budget: calibrate on this file instead of the default pydoc text; "
         "token ids saved with torch.save as a .pt/.pth file (an integer tensor [T] or "
-        "[B, T], used whole), or UTF-8 text, of which the first 512 tokens are used (needs "
-        "a tokenizer saved beside the model)",
+        "[B, T], used whole), or UTF-8 text, of which up to 4 rows of 512 tokens from its "
+        "start are used (needs a tokenizer saved beside the model)",
     )
     inspect.add_argument(
         "--format",

@@ -298,11 +298,14 @@ def test_calibration_ids_from_text_use_the_first_tokens(smollm2, tmp_path):
     path = tmp_path / "text.md"
     path.write_text(text, encoding="utf-8")
     expected = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert len(expected) > 512
-    ids = calibration_ids_from_file(model, path)
-    assert ids.dtype == torch.int64 and ids.shape == (1, 512)
-    assert ids[0].tolist() == expected[:512]
+    assert 3 * 512 > len(expected) > 2 * 512
+    ids = calibration_ids_from_file(model, path)  # two whole rows of 512: the rest is dropped
+    assert ids.dtype == torch.int64 and ids.shape == (2, 512)
+    assert ids.flatten().tolist() == expected[:1024]
+    rows = calibration_ids_from_file(model, path, tokens=100)  # rows from the start, at most 4
+    assert rows.shape == (4, 100) and rows.flatten().tolist() == expected[:400]
     short = calibration_ids_from_file(model, path, tokens=len(expected) + 10)
+    assert short.shape == (1, len(expected))
     assert short[0].tolist() == expected  # a shorter text gives all it has
 
 

@@ -159,7 +159,8 @@ _TOKEN_ID_SUFFIXES = (".pt", ".pth")
 
 
 def calibration_ids_from_file(
-    model: nn.Module, path: str | Path, tokens: int = CALIBRATION_TOKENS
+    model: nn.Module, path: str | Path, tokens: int = CALIBRATION_TOKENS,
+    rows: int = CALIBRATION_ROWS,
 ) -> torch.Tensor:
     """Calibration token ids read from a file, for ``calibrate(model, policy, ids)``.
 
@@ -167,13 +168,15 @@ def calibration_ids_from_file(
         model: the model to calibrate; its tokenizer (saved beside its weights, at
             ``config._name_or_path``) tokenizes a text file.
         path: a ``.pt``/``.pth`` file holding token ids saved with ``torch.save`` (an integer
-            tensor ``[T]`` or ``[B, T]``, used whole), or any other file: UTF-8 text, of
-            which the first ``tokens`` tokens (no special tokens) are used.
-        tokens: how many tokens of a text file to keep; a shorter text gives fewer (and
-            :func:`calibrate` says when they are too few to pack anything).
+            tensor ``[T]`` or ``[B, T]``, used whole), or any other file: UTF-8 text, cut
+            from its start (no special tokens) into up to ``rows`` rows of ``tokens``, as
+            the default calibration text is.
+        tokens, rows: the rows a text file gives: as many whole rows of ``tokens`` as it
+            holds, at most ``rows``; a text shorter than one row gives one shorter row (and
+            :func:`calibrate` says when it is too short to pack anything).
 
     Returns:
-        ``[B, T]`` int64 token ids (``B = 1`` for text and for a ``[T]`` tensor).
+        ``[B, T]`` int64 token ids (``B = 1`` for a ``[T]`` tensor).
 
     Raises:
         KVPolicyError: the file is missing or cannot be read; a ``.pt`` file does not hold
@@ -234,7 +237,10 @@ def calibration_ids_from_file(
             "saved with torch.save as a .pt file instead (an integer tensor [T] or [B, T])"
         )
     ids = tok(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-    return torch.tensor(ids[:tokens], dtype=torch.long)[None]
+    whole = min(rows, len(ids) // tokens)
+    if whole == 0:
+        return torch.tensor(ids, dtype=torch.long)[None]
+    return torch.tensor(ids[: whole * tokens], dtype=torch.long).reshape(whole, tokens)
 
 
 # --------------------------------------------------------------------------- measure
