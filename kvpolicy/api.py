@@ -58,8 +58,9 @@ def derive_policy(
         calibration: for a budget and for ``channel_widths: auto`` (the default's
             per-channel key widths): ``[B, T]`` token ids to measure on, a tokenizer for
             the default text, or (a budget only) a ``Calibration`` measured before. Default:
-            the policy file's saved calibration, else the last 512 pydoc tokens in the
-            tokenizer saved beside the model; with none, the default keeps one key width.
+            the policy file's saved calibration, else the end of the pydoc text in the
+            tokenizer saved beside the model (512 tokens for the widths, 4 rows of 512 for
+            a budget); with none, the default keeps one key width.
         progress: show a progress bar while calibrating.
         probe_kwargs: ``ids -> {keyword: value}`` passed to the analysis's probe forwards
             beside the token ids, for a model that takes its cached path only when given
@@ -157,7 +158,8 @@ def compile_model(
         bits: code width when ``policy`` is None (the ``kvpolicy-<bits>`` preset; 16 keeps
             everything in full precision), or a float budget such as ``2.5``: the average
             code bits per cached element, allocated per tensor from its sensitivity measured
-            where it is consumed (one calibration forward; see ``kvpolicy.calibrate.budget``).
+            where it is consumed (a calibration forward and backward per row of calibration
+            text; see ``kvpolicy.calibrate.budget``).
         policy: preset name, YAML path, dict or ``PolicySpec`` (see ``derive_policy``).
         backend: ``"torch"``, ``"triton"`` or ``"auto"`` (triton for CUDA tensors).
         calibration: for a budget: token ids, a tokenizer or a saved ``Calibration`` (see

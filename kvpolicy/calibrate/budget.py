@@ -4,8 +4,9 @@
 average code bits per cached element over all layers and both tensors. Three steps:
 
 ``calibrate(model, policy)``
-    One forward and one backward over calibration text (default: the last 512 tokens of the
-    pydoc text, which the eval's segments never reach) capture every layer's q, k, v at the
+    One forward and one backward per row of calibration text (default: the last 2,048 tokens
+    of the pydoc text as 4 rows of 512, which the eval's segments never reach; the errors
+    add over rows) capture every layer's q, k, v at the
     consumer (:mod:`kvpolicy.calibrate.capture`) and the gradient of the text's next-token loss with
     respect to every attention output. For each layer, tensor and width in
     ``BUDGET_WIDTHS`` it quantizes *that tensor alone*, with the policy's axis, group size,
@@ -508,7 +509,10 @@ def calibrate(
         policy: axes, group sizes, pre-RoPE, sinks and residual of every tensor (bits are
             ignored: every width of ``widths`` is measured; where a tensor has candidate
             ``group_sizes``, every width at every candidate).
-        input_ids: ``[B, T]`` calibration token ids; default :func:`calibration_ids`.
+        input_ids: ``[B, T]`` calibration token ids; default :func:`calibration_ids`
+            (:data:`CALIBRATION_ROWS` rows of :data:`CALIBRATION_TOKENS`). Under the
+            default metric each row runs its own forward and backward and the errors add
+            up, so memory is one row's.
         tokenizer: for the default text when the model has none saved beside it.
         widths: candidate widths, a subset of ``BUDGET_WIDTHS``.
         metric: the currency, a key of :data:`CALIBRATION_METRICS`: ``"fisher"`` (default)
