@@ -99,10 +99,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CALIBRATION_TOKENS = 512
-# Rows of CALIBRATION_TOKENS in a budget's default text (the last 2,048 pydoc tokens): on
-# SmolLM2, four rows instead of one lower the KL to fp of stored_bits=2.5 by about 40% on
-# pydoc and on Python source alike (README, "Bit budgets"). The loss-weighted measurement
-# runs one row at a time (its errors add over rows), so memory is that of one row.
+# Rows of CALIBRATION_TOKENS in a budget's default text (the last 2,048 pydoc tokens): more
+# text, less noise in the costs the allocator trusts (README, "Bit budgets"). Measured a row
+# at a time (the loss-weighted errors add over rows): memory is one row's.
 CALIBRATION_ROWS = 4
 
 
@@ -356,21 +355,26 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
             f"(sinks {sinks} + residual {residual} + a chunk of {chunk}{what}); calibrate on "
             f"at least {sinks + residual + chunk} tokens"
         )
-    rows = p > 0
+    # Only rows from r0 on read a packed token (p never falls) and only ``seg`` is packed:
+    # errors are computed on those rows (the others' are 0) and changes on those columns.
+    r0 = int((p > 0).nonzero()[0])
+    rows = p[r0:] > 0
     j = torch.arange(t, device=q.device)
-    quantized = (j[None, :] >= sinks) & (j[None, :] < sinks + p[:, None])  # [query, key]
-    mask = causal_mask(t, t, q.device)
     seg = slice(sinks, sinks + n_packed)
+    quantized = ((j[None, :] >= sinks) & (j[None, :] < sinks + p[r0:, None]))[:, seg]
+    mask = causal_mask(t, t, q.device)[r0:]
+    q_r = q[:, :, r0:]
 
-    scores = attention_scores(q, k, act.scale)
+    scores = attention_scores(q_r, k, act.scale)  # [B, Hq, t - r0, t]
     probs = torch.softmax(scores + mask, dim=-1)
     v_heads = expand_heads(v, hq)  # values per query head, read by every key width
     out = torch.matmul(probs, v_heads)
-    probs_quantized = probs * quantized  # the weights the quantized values get, every width
+    probs_quantized = probs[..., seg] * quantized  # what the packed values weigh, every width
+    grad = None if act.out_grad is None else act.out_grad[:, :, r0:]
 
     def error(approx: torch.Tensor) -> float:
         if metric == "fisher":
-            return _fisher(approx - out, act.out_grad)
+            return _fisher(approx - out, grad)
         return _relative_error_on_rows(approx, out, rows)
 
     pre_rope = kp.pre_rope and act.cos is not None
@@ -397,11 +401,10 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
         k_seg = roundtrip(stored[:, :, seg].contiguous(), spec, store)
         if pre_rope:
             k_seg = reference.apply_rope(k_seg, positions[:, seg], rope)
-        k_hat = k.clone()
-        k_hat[:, :, seg] = k_seg
-        s_hat = attention_scores(q, k_hat, act.scale)
-        s_mix = torch.where(quantized, s_hat, scores) + mask
-        return error(torch.matmul(torch.softmax(s_mix, dim=-1), v_heads))
+        s_mix = scores.clone()
+        s_mix[..., seg] = torch.where(quantized, attention_scores(q_r, k_seg, act.scale),
+                                      scores[..., seg])
+        return error(torch.matmul(torch.softmax(s_mix + mask, dim=-1), v_heads))
 
     def value_error(w: int, g: int, rotation: str, levels: str,
                     meta: int = vp.stored_meta_bits) -> float:
@@ -412,13 +415,11 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
             v_seg = roundtrip(v[:, :, seg].contiguous(), spec, store)
         else:  # stored as v R, read back through Rᵀ (kernels.rotation)
             v_seg = roundtrip((v[:, :, seg] @ rot).contiguous(), spec, store) @ rot.T
-        dv = torch.zeros_like(v)
-        dv[:, :, seg] = v_seg - v[:, :, seg]
-        return error(out + torch.matmul(probs_quantized, expand_heads(dv, hq)))
+        dv = expand_heads(v_seg - v[:, :, seg], hq)
+        return error(out + torch.matmul(probs_quantized, dv))
 
     # levels: auto measures uniform levels (levels_at), then normal ones where the width
-    # has a table.
-    # (8-bit metadata has uniform levels only.)
+    # has a table (8-bit metadata has uniform levels only).
     key_normal: Rows | None = ({g: [] for g in key_groups}
                                if kp.levels == "auto" and kp.meta_bits != 8 else None)
     value_normal: Rows | None = ({g: [] for g in value_groups}
@@ -463,9 +464,8 @@ def _add(a: GroupErrors | None, b: GroupErrors) -> GroupErrors:
     def rows(x: Rows | None, y: Rows | None) -> Rows | None:
         if x is None or y is None:
             return None
-        return {g: [None if u is None or v is None else u + v for u, v in zip(x[g], y[g],
-                                                                            strict=True)]
-                for g in x}
+        return {g: [None if u is None or v is None else u + v
+                    for u, v in zip(x[g], y[g], strict=True)] for g in x}
 
     return GroupErrors(*(rows(x, y) for x, y in zip(a, b, strict=True)))
 
