@@ -253,12 +253,6 @@ def _packed_counts(t: int, sinks: int, residual: int, chunk: int) -> torch.Tenso
     return ((r - residual).clamp_min(0) // chunk) * chunk
 
 
-def _relative_error_on_rows(approx: torch.Tensor, exact: torch.Tensor,
-                            rows: torch.Tensor) -> float:
-    """``‖approx − exact‖ / ‖exact‖`` over the query rows ``rows`` (a bool mask over T)."""
-    return relative_error(approx[..., rows, :], exact[..., rows, :])
-
-
 def _fisher(delta: torch.Tensor, grad: torch.Tensor) -> float:
     """``Σ_{b,t} (Σ_{h,d} g·Δo)²``: per token, the squared first-order change of the
     calibration loss that the output change ``delta`` causes (``grad``: the loss's gradient
@@ -358,10 +352,9 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
     # Only rows from r0 on read a packed token (p never falls) and only ``seg`` is packed:
     # errors are computed on those rows (the others' are 0) and changes on those columns.
     r0 = int((p > 0).nonzero()[0])
-    rows = p[r0:] > 0
-    j = torch.arange(t, device=q.device)
     seg = slice(sinks, sinks + n_packed)
-    quantized = ((j[None, :] >= sinks) & (j[None, :] < sinks + p[r0:, None]))[:, seg]
+    j = torch.arange(sinks, sinks + n_packed, device=q.device)  # the packed columns
+    quantized = j[None, :] < sinks + p[r0:, None]  # [query row from r0, packed column]
     mask = causal_mask(t, t, q.device)[r0:]
     q_r = q[:, :, r0:]
 
@@ -375,7 +368,7 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
     def error(approx: torch.Tensor) -> float:
         if metric == "fisher":
             return _fisher(approx - out, grad)
-        return _relative_error_on_rows(approx, out, rows)
+        return relative_error(approx, out)  # every row from r0 on reads a packed token
 
     pre_rope = kp.pre_rope and act.cos is not None
     if pre_rope:

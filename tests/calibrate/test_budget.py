@@ -12,7 +12,7 @@ import torch
 import kvpolicy
 from kvpolicy.calibrate import budget
 from kvpolicy.calibrate.capture import capture_activations
-from kvpolicy.calibrate.metrics import expand_heads
+from kvpolicy.calibrate.metrics import expand_heads, relative_error
 from kvpolicy.errors import KVPolicyError, PolicyError
 from kvpolicy.kernels.layout import QuantSpec
 from kvpolicy.kernels.masks import causal_mask
@@ -201,7 +201,7 @@ def test_calibration_error_is_what_the_decode_cache_gives(tensor, key_bits, leve
     probs = torch.softmax(scores + causal_mask(t, t), dim=-1)
     exact = probs @ expand_heads(act.value, hq)
     rows = budget._packed_counts(t, 2, 16, layer.chunk) > 0
-    relative = budget._relative_error_on_rows(got, exact, rows)
+    relative = relative_error(got[..., rows, :], exact[..., rows, :])
     assert expected["relative"] > 1e-3  # a real quantization error, far above fp32 rounding
     assert relative == pytest.approx(expected["relative"], rel=2e-3)
     fisher = budget._fisher(got - exact, act.out_grad)
