@@ -284,26 +284,23 @@ def reduce_activations(model: nn.Module, input_ids: torch.Tensor,
     and what ``fn`` raises.
     """
     results: dict[int, R] = {}
-    facts_of: dict[int, Any] = {}
 
-    def consume(i: int, seen: dict, calls: dict) -> None:
-        args, kwargs = seen[i]
-        seen[i] = None  # counted as seen (one call per layer), its tensors let go
-        results[i] = fn(_layer_activations(facts_of[i], args, kwargs, calls.pop(i), None))
+    def consume(act: LayerActivations) -> None:
+        results[act.layer] = fn(act)
 
-    analysis, seen, _, _ = _capture(model, input_ids, False, consume, facts_of)
+    analysis, seen, _, _ = _capture(model, input_ids, False, consume)
     for facts in analysis.layers:
         _check_seen(seen, facts.layer)
     return results
 
 
 def _capture(model: nn.Module, input_ids: torch.Tensor, loss_grad: bool,
-             consume: Callable[[int, dict, dict], None] | None = None,
-             facts_of: dict[int, Any] | None = None):
+             consume: Callable[[LayerActivations], None] | None = None):
     """The forward (and backward) of :func:`capture_activations`: ``(analysis, {layer:
     SDPA (args, kwargs)}, {layer: the module's call (args, kwargs)}, {layer: loss
-    gradient})``. With ``consume``, each layer is handed to ``consume(layer, seen, calls)``
-    as its SDPA returns (``facts_of`` is filled with each layer's facts first)."""
+    gradient})``. With ``consume`` (no gradient), each layer's activations are built and
+    handed to it as its SDPA returns; its entry in ``seen`` is then None (one call per layer
+    is still checked) and its call is dropped, so nothing of it is kept."""
     if compiled_of(model) is not None:
         raise KVPolicyError(
             f"{type(model).__name__} is compiled by kvpolicy; capture activations on the "
@@ -318,8 +315,6 @@ def _capture(model: nn.Module, input_ids: torch.Tensor, loss_grad: bool,
             f"compile_model inside inference mode is fine); {_RELATIVE_HINT}"
         )
     analysis = analyse_model(model)
-    if facts_of is not None:
-        facts_of.update((f.layer, f) for f in analysis.layers)
     active: list[int] = []
     calls: dict[int, tuple[tuple, dict]] = {}
     seen: dict[int, tuple[tuple, dict] | None] = {}
@@ -339,7 +334,15 @@ def _capture(model: nn.Module, input_ids: torch.Tensor, loss_grad: bool,
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(post, with_kwargs=True))
     grads: dict[int, torch.Tensor] = {}
-    each = None if consume is None else (lambda i: consume(i, seen, calls))
+    each = None
+    if consume is not None:
+        facts_of = {f.layer: f for f in analysis.layers}
+
+        def each(i: int) -> None:
+            args, kwargs = seen[i]
+            seen[i] = None
+            consume(_layer_activations(facts_of[i], args, kwargs, calls.pop(i), None))
+
     was_training = model.training
     model.eval()
     try:
