@@ -1253,7 +1253,8 @@ def header(ctx: Context, args: argparse.Namespace, tiny: bool) -> list[str]:
         f"shapes: {s.q_heads} query heads, {s.kv_heads} KV heads, head_dim {s.head_dim}; "
         f"kvpolicy: 2-bit keys per channel (pre-RoPE, rotate_half), 2-bit values per token, "
         f"keys in groups of {p.key.group_size} tokens"
-        + (" with per-channel widths (placed from 512 random token ids)"
+        + (f" with per-channel widths (placed from {ctx.calibration_ids().shape[1]} random "
+           "token ids)"
            if p.key.widths is not None else "")
         + f", values in groups of {p.value.group_size} channels"
         + (f" ({p.value_rotation}-rotated in the model rows)"
