@@ -323,6 +323,8 @@ class PackedKVLayer:
         if self.window is None or self._shape is None:
             return 0
         drop = self.n_seen - self.window + 1 - self._evicted  # held tokens out of reach
+        if drop <= 0:  # (with a short residual, chunks are packed before the window fills)
+            return 0
         ns = self.n_sinks
         d_s = max(0, min(ns, drop))
         d_p = d_r = 0

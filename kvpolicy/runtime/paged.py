@@ -1,0 +1,460 @@
+"""A packed KV cache in fixed-size pages: what a paged serving engine (vLLM) allocates.
+
+A serving engine hands every attention layer one byte tensor ``[num_blocks, page_bytes]``
+and, per step, a table of the blocks each sequence owns. :class:`PagedLayout` says what a
+page holds for one layer's policy, and :class:`PagedKV` appends to pages and attends over
+them with kvpolicy's kernels (``kernels.backend``), so the engine counts packed bytes, not
+fp16 ones. A page of ``block_size`` tokens (per kv head)::
+
+    key codes + scales/zeros   (bs / G groups of G tokens, one scale per channel)
+    value codes + scales/zeros (bs tokens, groups of channels)
+    stage: C tokens of K and V in full precision (the block's incomplete group)
+    sinks: S tokens of K and V in full precision (used in a sequence's first block)
+
+Groups never span two blocks or two sequences: token ``p`` of a sequence lives in block
+``p // bs`` and its key group is the C tokens ``[p // C * C, p // C * C + C)`` (C = the
+chunk, ``lcm`` of both tensors' token groups; ``bs % C == 0``). A token is written to its
+block's stage when it arrives and packed once its chunk is complete, so the tokens in full
+precision are the sinks and the incomplete chunk: the paged cache's residual window is
+that chunk, not the policy's ``residual`` (the engine cannot hold a window of R tokens
+per sequence in pages of fixed size without paying it in every page). Chunks are aligned
+to positions, so the first chunk also holds the sinks: they are packed too (their rows
+replaced by the chunk's first non-sink token, so that they do not widen its groups) and
+read from the sink area instead. A 16-bit layout is plain K and V at their slots.
+
+Keys are stored before RoPE where the layout has a rotary table (the engine hands rotated
+keys: they are rotated back at their positions before packing) and rotated again inside
+attention; values are stored rotated where the policy rotates them (``kernels.rotation``)
+and the output is rotated back. A step attends first, over the cache as it stood and its
+own tokens in full precision, then appends, as :class:`~kvpolicy.runtime.layer.PackedKVLayer`
+does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CacheError
+from ..kernels.backend import select
+from ..kernels.layout import Packed, QuantSpec, RotarySpec
+from ..kernels.rotation import rotation_matrix
+
+__all__ = ["PagedField", "PagedLayout", "PagedKV", "SeqBatch"]
+
+_ALIGN = 16  # byte alignment of every field in a page
+_ROWS = 256  # query rows per attention call of a long chunk (as runtime.layer)
+
+
+@dataclass(frozen=True)
+class PagedField:
+    """One tensor of a page: ``dtype`` elements of ``shape`` at byte ``offset``."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
+
+
+def _meta_dtypes(spec: QuantSpec, store: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    return (torch.uint8, torch.int8) if spec.meta8 else (store, store)
+
+
+class PagedLayout:
+    """What one page of one layer holds, for a key and a value ``QuantSpec``.
+
+    Args:
+        key_spec, value_spec: the layer's packing (``bits == 16``: full precision).
+        num_kv_heads: the kv heads this process holds (a tensor-parallel rank's share).
+        head_dim, v_head_dim: channels of a key and of a value.
+        block_size: tokens per page; a multiple of the chunk (:attr:`chunk`).
+        sinks: first tokens of a sequence kept in full precision.
+        store_dtype: dtype of full-precision tokens and of 16-bit scales/zeros.
+    Raises:
+        CacheError: a block size the groups do not tile, or more sinks than a block holds.
+    """
+
+    def __init__(
+        self, key_spec: QuantSpec, value_spec: QuantSpec, *, num_kv_heads: int,
+        head_dim: int, v_head_dim: int | None = None, block_size: int, sinks: int,
+        store_dtype: torch.dtype,
+    ) -> None:
+        self.key_spec, self.value_spec = key_spec, value_spec
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        self.block_size, self.store_dtype = block_size, store_dtype
+        self.full_precision = key_spec.full_precision and value_spec.full_precision
+        self.sinks = 0 if self.full_precision else sinks
+        self.chunk = math.lcm(key_spec.token_group, value_spec.token_group)
+        if block_size % self.chunk:
+            raise CacheError(
+                f"block_size {block_size} is not a multiple of the policy's key group of "
+                f"{self.chunk} tokens, so a group would span two blocks; use a block size "
+                f"that is a multiple of {math.lcm(self.chunk, 16)}"
+            )
+        if self.sinks > block_size:
+            raise CacheError(f"{sinks} sink tokens do not fit the first block of "
+                             f"{block_size} tokens; use fewer sinks or larger blocks")
+        for spec, d, what in ((key_spec, head_dim, "key"), (value_spec, self.v_head_dim,
+                                                           "value")):
+            if spec.axis == "token" and not spec.full_precision and d % spec.group_size:
+                raise CacheError(f"{what} groups of {spec.group_size} channels do not tile "
+                                 f"head_dim {d}")
+        self.fields = self._fields()
+        end = self.fields[-1].offset + self.fields[-1].nbytes
+        self.page_bytes = -(-end // _ALIGN) * _ALIGN
+
+    def _tensor_fields(self, prefix: str, spec: QuantSpec, d: int) -> list[tuple]:
+        h, bs, store = self.num_kv_heads, self.block_size, self.store_dtype
+        if spec.full_precision:
+            return [(prefix, store, (h, bs, d))]
+        sdt, zdt = _meta_dtypes(spec, store)
+        g, bits = spec.group_size, spec.bits
+        if spec.axis == "channel":
+            return [(f"{prefix}_codes", torch.uint8, (h, bs // g, g * bits // 8, d)),
+                    (f"{prefix}_scale", sdt, (h, bs // g, d)),
+                    (f"{prefix}_zero", zdt, (h, bs // g, d))]
+        return [(f"{prefix}_codes", torch.uint8, (h, bs, d * bits // 8)),
+                (f"{prefix}_scale", sdt, (h, bs, d // g)),
+                (f"{prefix}_zero", zdt, (h, bs, d // g))]
+
+    def _fields(self) -> tuple[PagedField, ...]:
+        h, store = self.num_kv_heads, self.store_dtype
+        raw = (self._tensor_fields("k", self.key_spec, self.head_dim)
+               + self._tensor_fields("v", self.value_spec, self.v_head_dim))
+        if not self.full_precision:
+            if self.chunk > 1:
+                raw += [("stage_k", store, (h, self.chunk, self.head_dim)),
+                        ("stage_v", store, (h, self.chunk, self.v_head_dim))]
+            if self.sinks:
+                raw += [("sink_k", store, (h, self.sinks, self.head_dim)),
+                        ("sink_v", store, (h, self.sinks, self.v_head_dim))]
+        out, offset = [], 0
+        for name, dtype, shape in raw:
+            f = PagedField(name, dtype, tuple(shape), offset)
+            out.append(f)
+            offset = -(-(offset + f.nbytes) // _ALIGN) * _ALIGN
+        return tuple(out)
+
+    def fp_page_bytes(self) -> int:
+        """Bytes a page of the same tokens takes as plain K and V in ``store_dtype``."""
+        size = torch.empty(0, dtype=self.store_dtype).element_size()
+        return self.num_kv_heads * self.block_size * (self.head_dim + self.v_head_dim) * size
+
+    def views(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every field of ``pages [num_blocks, page_bytes]`` (uint8 or int8) as a view
+        ``[num_blocks, *shape]`` of its dtype: writes go to the pages."""
+        if pages.dim() != 2 or pages.shape[1] != self.page_bytes:
+            raise CacheError(f"pages must be [num_blocks, {self.page_bytes}] bytes, got "
+                             f"{tuple(pages.shape)}")
+        pages = pages.view(torch.uint8)
+        out = {}
+        for f in self.fields:
+            raw = pages[:, f.offset : f.offset + f.nbytes]
+            out[f.name] = raw.view(f.dtype).view(pages.shape[0], *f.shape)
+        return out
+
+    def describe(self) -> str:
+        """One line: bytes per page against plain K/V, and what a page holds."""
+        fp = self.fp_page_bytes()
+        return (f"{self.page_bytes} bytes per block of {self.block_size} tokens "
+                f"({fp / self.page_bytes:.2f}x smaller than {self.store_dtype} K/V); "
+                + ", ".join(f.name for f in self.fields))
+
+
+@dataclass
+class SeqBatch:
+    """The sequences of one engine step, in the order of their query tokens.
+
+    ``query_start`` ``[n + 1]`` (cumulative query tokens), ``seq_lens`` ``[n]`` (tokens of
+    each sequence after this step), ``block_table`` ``[n, max_blocks]`` (block ids;
+    entries past a sequence's blocks are ignored). Held on the CPU as lists too.
+    """
+
+    query_start: list[int]
+    seq_lens: list[int]
+    block_table: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        return len(self.seq_lens)
+
+    def query_len(self, i: int) -> int:
+        return self.query_start[i + 1] - self.query_start[i]
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """``[num_tokens]`` int64: each query token's position in its sequence."""
+        parts = [torch.arange(s - self.query_len(i), s)
+                 for i, s in enumerate(self.seq_lens)]
+        return torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.long)
+
+
+class PagedKV:
+    """One layer's attention over a :class:`PagedLayout` cache.
+
+    Args:
+        layout: the page layout.
+        scale: multiplies ``q·k``.
+        rope: the rotary table of pre-RoPE keys (``[P, rotary_dim]`` covering every
+            position served), or None to store keys as given.
+        value_rotation: ``"none"`` or ``"hadamard"`` (values stored rotated).
+        window: sliding window W (query ``i`` sees keys ``i - W < j <= i``), or None.
+        softcap: logit soft-capping, or None.
+        backend: kernel backend name (``kernels.backend``).
+    """
+
+    def __init__(
+        self, layout: PagedLayout, *, scale: float, rope: RotarySpec | None = None,
+        value_rotation: str = "none", window: int | None = None,
+        softcap: float | None = None, backend: str = "auto",
+    ) -> None:
+        self.layout, self.scale, self.window, self.softcap = layout, scale, window, softcap
+        # Full-precision keys gain nothing from being stored before RoPE: keep them as given.
+        self.rope = None if layout.key_spec.full_precision else rope
+        self.inverse = None if self.rope is None else RotarySpec(
+            self.rope.style, self.rope.rotary_dim, self.rope.cos, -self.rope.sin)
+        self.value_rotation = value_rotation
+        self.backend = backend
+
+    # ------------------------------------------------------------------ step
+
+    def forward(self, pages: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, batch: SeqBatch) -> torch.Tensor:
+        """Attend the query tokens ``q [N, Hq, D]`` of ``batch`` over the cache and their
+        own ``k [N, Hkv, D]``/``v [N, Hkv, Dv]`` (causally), then append them.
+
+        Returns ``[N, Hq, Dv]`` in ``q.dtype``.
+        """
+        lay = self.layout
+        kern = select(self.backend, q.device)
+        views = lay.views(pages)
+        pos = batch.positions(q.device)
+        store = lay.store_dtype
+        if self.inverse is not None:  # rotated keys back to pre-RoPE, at their positions
+            k = kern.apply_rope(k.transpose(0, 1).unsqueeze(0).float(), pos.unsqueeze(0),
+                                self.inverse)[0].transpose(0, 1)
+        rot = rotation_matrix(self.value_rotation, v.shape[-1], v.device)
+        if rot is not None:
+            v = v.float() @ rot
+        k, v = k.to(store), v.to(store)
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32)
+        single = [i for i in range(batch.n) if batch.query_len(i) == 1]
+        if single:
+            rows = torch.tensor([batch.query_start[i] for i in single], device=q.device)
+            idx = torch.tensor(single, device=q.device)
+            sub = SeqBatch(list(range(len(single) + 1)),
+                           [batch.seq_lens[i] for i in single], batch.block_table[idx])
+            o = self._attend(kern, views, q[rows].unsqueeze(2), k[rows].unsqueeze(2),
+                             v[rows].unsqueeze(2), sub)
+            out[rows] = o[:, :, 0]
+            self._append(kern, views, k[rows], v[rows], sub)
+        for i in range(batch.n):
+            n = batch.query_len(i)
+            if n == 1 or n == 0:
+                continue
+            a = batch.query_start[i]
+            sub = SeqBatch([0, n], [batch.seq_lens[i]], batch.block_table[i : i + 1])
+            qi, ki, vi = q[a : a + n], k[a : a + n], v[a : a + n]
+            o = self._attend(kern, views, qi.transpose(0, 1).unsqueeze(0),
+                             ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
+                             sub)
+            out[a : a + n] = o[0].transpose(0, 1)
+            self._append(kern, views, ki, vi, sub)
+        if rot is not None:
+            out = out @ rot.T
+        return out.to(q.dtype)
+
+    # ------------------------------------------------------------------ attention
+
+    def _visible(self, qpos: torch.Tensor, kpos: torch.Tensor,
+                 ok: torch.Tensor) -> torch.Tensor:
+        """Additive mask ``[B, 1, Tq, Tk]`` from query positions ``[B, Tq]``, key positions
+        ``[B, Tk]`` and which keys exist ``[B, Tk]``: causal, inside the window."""
+        see = ok[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])
+        if self.window is not None:
+            see &= kpos[:, None, :] > qpos[:, :, None] - self.window
+        zero = torch.zeros((), dtype=torch.float32, device=qpos.device)
+        return torch.where(see, zero, float("-inf")).unsqueeze(1)
+
+    def _gather(self, views: dict, name: str, blocks: torch.Tensor) -> torch.Tensor:
+        """Field ``name`` of ``blocks [B, nb]`` as one segment ``[B, H, nb * rows, ...]``."""
+        x = views[name][blocks]  # [B, nb, H, rows, ...]
+        x = x.transpose(1, 2)
+        return x.reshape(x.shape[0], x.shape[1], -1, *x.shape[4:])
+
+    def _segment(self, views: dict, name: str, spec: QuantSpec,
+                 blocks: torch.Tensor) -> Packed:
+        """Tensor ``name`` of ``blocks`` as one packed segment (a plain one at 16 bits)."""
+        if spec.full_precision:
+            x = self._gather(views, name, blocks)
+            return Packed(x, x.new_empty(0), x.new_empty(0))
+        return Packed(*(self._gather(views, f"{name}_{x}", blocks)
+                        for x in ("codes", "scale", "zero")))
+
+    def _attend(self, kern, views, q, k_new, v_new, batch: SeqBatch) -> torch.Tensor:
+        """``q [B, Hq, Tq, D]`` of sequences that each add ``Tq`` tokens ``k_new/v_new
+        [B, Hkv, Tq, D]`` attends over the cache as it stood and those tokens (fp32 out)."""
+        lay, dev = self.layout, q.device
+        b, _, tq, _ = q.shape
+        bs, s_n, c = lay.block_size, lay.sinks, lay.chunk
+        prev = torch.tensor(batch.seq_lens, device=dev) - tq  # tokens cached before
+        qpos = prev[:, None] + torch.arange(tq, device=dev)
+        new_pos = qpos
+        pk = pv = kpos = pmask = None
+        fks, fvs, fpos, fok = [], [], [], []
+        if lay.full_precision:
+            nb = -(-int(prev.max()) // bs)
+            if nb:
+                blocks = batch.block_table[:, :nb]
+                fks.append(self._gather(views, "k", blocks))
+                fvs.append(self._gather(views, "v", blocks))
+                t = torch.arange(nb * bs, device=dev).expand(b, -1)
+                fpos.append(t)
+                fok.append(t < prev[:, None])
+        else:
+            n_packed = prev // c * c  # tokens whose chunk is complete (sink rows included)
+            nb = -(-int(n_packed.max()) // bs)
+            if nb:
+                blocks = batch.block_table[:, :nb]
+                pk = self._segment(views, "k", lay.key_spec, blocks)
+                pv = self._segment(views, "v", lay.value_spec, blocks)
+                kpos = torch.arange(nb * bs, device=dev).expand(b, -1)
+                pmask = self._visible(qpos, kpos, (kpos >= s_n) & (kpos < n_packed[:, None]))
+            if s_n:
+                first = batch.block_table[:, 0]
+                fks.append(views["sink_k"][first])
+                fvs.append(views["sink_v"][first])
+                t = torch.arange(s_n, device=dev).expand(b, -1)
+                fpos.append(t)
+                fok.append(t < prev[:, None])
+            if c > 1:
+                tail = batch.block_table.gather(
+                    1, (n_packed // bs).clamp(max=batch.block_table.shape[1] - 1)[:, None])[:, 0]
+                fks.append(views["stage_k"][tail])
+                fvs.append(views["stage_v"][tail])
+                t = n_packed[:, None] + torch.arange(c, device=dev)
+                fpos.append(t)
+                fok.append((t < prev[:, None]) & (t >= s_n))
+        fks.append(k_new)
+        fvs.append(v_new)
+        fpos.append(new_pos)
+        fok.append(torch.ones_like(new_pos, dtype=torch.bool))
+        fk, fv = torch.cat(fks, dim=2), torch.cat(fvs, dim=2)
+        fp_pos, fp_ok = torch.cat(fpos, dim=1), torch.cat(fok, dim=1)
+        outs = []
+        for r0 in range(0, tq, _ROWS):
+            r1 = min(tq, r0 + _ROWS)
+            qp = qpos[:, r0:r1]
+            fmask = self._visible(qp, fp_pos, fp_ok)
+            out, _ = kern.decode_attention(
+                q[:, :, r0:r1], pk, pv, lay.key_spec, lay.value_spec, fk, fv,
+                scale=self.scale, mask=None if pmask is None else pmask[:, :, r0:r1],
+                fp_mask=fmask, rope=self.rope,
+                k_positions=None if self.rope is None or pk is None else kpos,
+                fp_positions=None if self.rope is None else fp_pos,
+                softcap=self.softcap)
+            outs.append(out)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    # ------------------------------------------------------------------ append
+
+    def _append(self, kern, views, k: torch.Tensor, v: torch.Tensor, batch: SeqBatch) -> None:
+        """Store the query tokens ``k/v [N, Hkv, D]`` of ``batch`` (token-major, in the
+        order of ``batch``) in their pages."""
+        lay, dev = self.layout, k.device
+        bs, c, s_n = lay.block_size, lay.chunk, lay.sinks
+        pos = batch.positions(dev)
+        seq = torch.repeat_interleave(
+            torch.arange(batch.n, device=dev),
+            torch.tensor([batch.query_len(i) for i in range(batch.n)], device=dev))
+        blk = batch.block_table[seq, pos // bs]
+        if lay.full_precision:
+            views["k"].transpose(1, 2)[blk, pos % bs] = k
+            views["v"].transpose(1, 2)[blk, pos % bs] = v
+            return
+        if s_n:
+            sink = pos < s_n
+            if bool(sink.any()):
+                first = batch.block_table[seq[sink], 0]
+                views["sink_k"].transpose(1, 2)[first, pos[sink]] = k[sink]
+                views["sink_v"].transpose(1, 2)[first, pos[sink]] = v[sink]
+        if c == 1:  # every token is a whole group: pack it now
+            self._pack(kern, views, k.unsqueeze(2), v.unsqueeze(2), blk, pos % bs)
+            return
+        # The chunk of each token and whether it is complete after this step.
+        end = torch.tensor(batch.seq_lens, device=dev)[seq]
+        start = pos // c * c
+        # Tokens of complete chunks are packed from the stage (earlier steps' tokens of
+        # the chunk) and this step's tokens; tokens of incomplete chunks go to the stage.
+        stage_k = views["stage_k"].transpose(1, 2)  # [NB, C, H, D]
+        stage_v = views["stage_v"].transpose(1, 2)
+        partial = start + c > end
+        done = ~partial
+        if bool(done.any()):
+            self._pack_complete(kern, views, k, v, batch, seq, pos, blk, done)
+        # After packing: a completed chunk may read the stage rows a later chunk of the
+        # same block is about to take.
+        if bool(partial.any()):
+            stage_k[blk[partial], pos[partial] % c] = k[partial]
+            stage_v[blk[partial], pos[partial] % c] = v[partial]
+
+    def _pack_complete(self, kern, views, k, v, batch, seq, pos, blk, done) -> None:
+        """Pack every chunk that this step's tokens (``done``: those of complete chunks)
+        close, from the stage rows of its earlier tokens and this step's tokens."""
+        lay, dev = self.layout, k.device
+        bs, c, s_n = lay.block_size, lay.chunk, lay.sinks
+        stage_k = views["stage_k"].transpose(1, 2)  # [NB, C, H, D]
+        stage_v = views["stage_v"].transpose(1, 2)
+        end = torch.tensor(batch.seq_lens, device=dev)[seq]
+        start = pos // c * c
+        # One row per completed chunk: the chunk's last token closes it.
+        last = done & ((pos + 1) % c == 0)
+        cblk, cstart, cseq = blk[last], start[last], seq[last]
+        first_new = (end - torch.tensor(
+            [batch.query_len(i) for i in range(batch.n)], device=dev)[seq])[last]
+        # [n, C, H, D]: rows before this step's first token from the stage, the rest new.
+        rows = cstart[:, None] + torch.arange(c, device=dev)
+        from_stage = rows < first_new[:, None]
+        ck = stage_k[cblk].clone()
+        cv = stage_v[cblk].clone()
+        # This step's tokens by position: index of token (seq, position) in k.
+        tok_index = torch.full((batch.n, int(end.max()) + 1), -1, dtype=torch.long, device=dev)
+        tok_index[seq, pos] = torch.arange(pos.shape[0], device=dev)
+        take = tok_index[cseq[:, None].expand_as(rows), rows]
+        fill = ~from_stage
+        ck[fill] = k[take[fill]]
+        cv[fill] = v[take[fill]]
+        if s_n:  # sink rows: a copy of the chunk's first non-sink row (read as sinks)
+            first_ok = (s_n - cstart).clamp(min=0)  # [n] that row's index in its chunk
+            sink_rows = (rows < s_n) & (first_ok < c)[:, None]
+            if bool(sink_rows.any()):
+                idx = torch.where(sink_rows, first_ok.clamp(max=c - 1)[:, None],
+                                  torch.arange(c, device=dev)[None])
+                idx = idx[..., None, None]
+                ck = ck.gather(1, idx.expand_as(ck))
+                cv = cv.gather(1, idx.expand_as(cv))
+        self._pack(kern, views, ck.transpose(1, 2), cv.transpose(1, 2), cblk, cstart % bs)
+
+    def _pack(self, kern, views, k: torch.Tensor, v: torch.Tensor, blk: torch.Tensor,
+              off: torch.Tensor) -> None:
+        """Pack chunks ``k/v [n, H, C, D]`` into blocks ``blk [n]`` at token offset
+        ``off [n]``."""
+        lay = self.layout
+        for name, x, spec in (("k", k, lay.key_spec), ("v", v, lay.value_spec)):
+            if spec.full_precision:
+                t = torch.arange(x.shape[2], device=x.device)
+                views[name].transpose(1, 2)[blk[:, None], off[:, None] + t] = x.transpose(1, 2)
+                continue
+            p = kern.quantize(x, spec, lay.store_dtype)
+            rows = x.shape[2] // spec.token_group
+            at = off // spec.token_group
+            r = at[:, None] + torch.arange(rows, device=x.device)
+            for field, part in zip(("codes", "scale", "zero"), p, strict=True):
+                # [n, H, rows, ...] -> [n, rows, H, ...] at (block, row)
+                views[f"{name}_{field}"].transpose(1, 2)[blk[:, None], r] = part.transpose(1, 2)

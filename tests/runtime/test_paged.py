@@ -1,0 +1,162 @@
+"""The paged cache (runtime.paged) against the contiguous one (runtime.layer).
+
+Sequences are fed in steps of several tokens (chunked prefill) and single tokens (decode),
+interleaved in one batch with block tables in shuffled order, and every step's output is
+compared with a ``PackedKVLayer`` per sequence fed the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvpolicy.errors import CacheError
+from kvpolicy.kernels.layout import QuantSpec, RotarySpec
+from kvpolicy.kernels.reference import apply_rope
+from kvpolicy.runtime.layer import PackedKVLayer
+from kvpolicy.runtime.paged import PagedKV, PagedLayout, SeqBatch
+
+H, HQ, D = 2, 4, 16
+
+
+def _rope(n: int) -> RotarySpec:
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    f = torch.arange(n).float()[:, None] * inv[None]
+    f = torch.cat((f, f), dim=-1)
+    return RotarySpec("rotate_half", D, f.cos(), f.sin())
+
+
+def _run(kspec, vspec, *, sinks, steps, block_size=32, rope=None, window=None,
+         rotation="none", seed=0):
+    """Feed ``steps`` (per step: tokens per sequence) to the paged cache and to one
+    PackedKVLayer per sequence; return the largest output difference and the outputs'
+    scale."""
+    g = torch.Generator().manual_seed(seed)
+    n_seq = len(steps[0])
+    total = [sum(s[i] for s in steps) for i in range(n_seq)]
+    layout = PagedLayout(kspec, vspec, num_kv_heads=H, head_dim=D, block_size=block_size,
+                         sinks=sinks, store_dtype=torch.float32)
+    nb = [math.ceil(t / block_size) for t in total]
+    ids = torch.randperm(sum(nb) + 3, generator=g)[: sum(nb)]  # blocks in any order
+    table = torch.zeros(n_seq, max(nb), dtype=torch.long)
+    at = 0
+    for i, n in enumerate(nb):
+        table[i, :n] = ids[at : at + n]
+        at += n
+    pages = torch.zeros(sum(nb) + 3, layout.page_bytes, dtype=torch.uint8)
+    paged = PagedKV(layout, scale=D ** -0.5, rope=rope, window=window,
+                    value_rotation=rotation, backend="torch")
+    refs = [PackedKVLayer(kspec, vspec, residual=0, sinks=sinks, rope=rope,
+                          dtype=torch.float32, window=window) for _ in range(n_seq)]
+    seen = [0] * n_seq
+    worst = scale = 0.0
+    for step in steps:
+        n_tok = sum(step)
+        q = torch.randn(n_tok, HQ, D, generator=g)
+        k = torch.randn(n_tok, H, D, generator=g) * 2 + 1
+        v = torch.randn(n_tok, H, D, generator=g)
+        pos = torch.cat([torch.arange(seen[i], seen[i] + n) for i, n in enumerate(step)])
+        k_in = k if rope is None else apply_rope(
+            k.transpose(0, 1)[None], pos[None], rope)[0].transpose(0, 1)
+        start = [0]
+        for n in step:
+            start.append(start[-1] + n)
+        lens = [seen[i] + n for i, n in enumerate(step)]
+        out = paged.forward(pages, q, k_in, v, SeqBatch(start, lens, table))
+        for i, n in enumerate(step):
+            if n == 0:
+                continue
+            sl = slice(start[i], start[i + 1])
+            kk = k[sl].transpose(0, 1)[None]
+            vv = v[sl].transpose(0, 1)[None]
+            if rotation == "hadamard":
+                from kvpolicy.kernels.rotation import rotation_matrix
+                r = rotation_matrix("hadamard", D)
+                vv = vv @ r
+            p = torch.arange(seen[i], seen[i] + n)[None]
+            mask = None
+            if window is not None:  # the model's window mask over the held tokens
+                kpos = torch.arange(refs[i].n_evicted, seen[i] + n)
+                see = (kpos[None] <= p[0][:, None]) & (kpos[None] > p[0][:, None] - window)
+                mask = see[None, None]
+            want = refs[i].attend(q[sl].transpose(0, 1)[None], pending=(kk, vv, p),
+                                  attn_mask=mask)
+            if rotation == "hadamard":
+                want = want @ r.T
+            refs[i].append(kk, vv, p)
+            refs[i].slide()
+            got = out[sl].transpose(0, 1)[None]
+            worst = max(worst, (got - want).abs().max().item())
+            scale = max(scale, want.abs().max().item())
+        seen = lens
+    return worst, scale
+
+
+KEY2 = QuantSpec(2, 8, "channel")
+VAL2 = QuantSpec(2, 8, "token")
+FP = QuantSpec(16, 1, "token")
+# Two sequences, both chunked prefill first, then decode interleaved with a third chunk.
+STEPS = [[13, 5], [20, 1], [1, 1], [1, 30], [1, 1], [1, 1], [7, 1]] + [[1, 1]] * 9
+
+
+@pytest.mark.parametrize("kspec,vspec", [(KEY2, VAL2), (QuantSpec(4, 16, "channel"), VAL2),
+                                         (KEY2, FP), (FP, FP),
+                                         (QuantSpec(2, 8, "channel", meta_bits=8, fit="mse"),
+                                          QuantSpec(2, 8, "token", meta_bits=8))])
+def test_paged_matches_contiguous_cache(kspec, vspec):
+    worst, scale = _run(kspec, vspec, sinks=0, steps=STEPS)
+    assert worst <= 1e-5 * max(scale, 1.0), f"paged vs contiguous: {worst:.3g}"
+
+
+def test_paged_pre_rope_keys_round_trip():
+    """Keys arrive rotated and are stored rotated back: the same as a cache handed the
+    pre-RoPE keys, up to the rounding of one rotation and its inverse."""
+    worst, scale = _run(KEY2, VAL2, sinks=0, steps=STEPS, rope=_rope(128))
+    assert worst <= 1e-4 * max(scale, 1.0), f"pre-RoPE round trip: {worst:.3g}"
+
+
+def test_paged_sliding_window_and_rotation():
+    worst, scale = _run(KEY2, VAL2, sinks=0, steps=STEPS, window=24, rotation="hadamard")
+    assert worst <= 1e-5 * max(scale, 1.0), f"window 24, hadamard: {worst:.3g}"
+
+
+def test_paged_sinks_read_in_full_precision():
+    """With sinks, the first tokens are read exactly: a query that sees only the sinks
+    and itself matches exact attention, though the sinks' chunk is packed."""
+    layout = PagedLayout(KEY2, VAL2, num_kv_heads=H, head_dim=D, block_size=16, sinks=3,
+                         store_dtype=torch.float32)
+    pages = torch.zeros(2, layout.page_bytes, dtype=torch.uint8)
+    paged = PagedKV(layout, scale=D ** -0.5, window=None, backend="torch")
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(9, H, D, generator=g) * 5, torch.randn(9, H, D, generator=g)
+    table = torch.tensor([[1]])
+    paged.forward(pages, torch.randn(9, HQ, D, generator=g), k, v, SeqBatch([0, 9], [9], table))
+    views = layout.views(pages)
+    assert torch.equal(views["sink_k"][1].transpose(0, 1), k[:3])
+    # the packed chunk 0 (tokens 0-7) was built with the sink rows replaced by token 3
+    from kvpolicy.kernels.torch_backend import dequantize
+    from kvpolicy.kernels.layout import Packed
+    pk = Packed(views["k_codes"][1:2, :, :1], views["k_scale"][1:2, :, :1],
+                views["k_zero"][1:2, :, :1])
+    got = dequantize(pk, KEY2, torch.float32)[0].transpose(0, 1)  # [8, H, D]
+    lo = k[3:8].amin(dim=0)
+    hi = k[3:8].amax(dim=0)
+    assert bool((got >= lo - 1e-4).all() and (got <= hi + 1e-4).all()), \
+        "the sink rows widened the first chunk's groups"
+    # a query at position 9 sees all 10 tokens: sinks exact, 3-7 packed, 8-9 staged
+    q = torch.randn(1, HQ, D, generator=g)
+    k9, v9 = torch.randn(1, H, D, generator=g), torch.randn(1, H, D, generator=g)
+    out = paged.forward(pages, q, k9, v9, SeqBatch([0, 1], [10], table))
+    assert out.shape == (1, HQ, D) and torch.isfinite(out).all()
+
+
+def test_paged_layout_is_smaller_and_refuses_bad_blocks():
+    lay = PagedLayout(QuantSpec(2, 12, "channel", meta_bits=8, fit="mse"),
+                      QuantSpec(2, 32, "token", meta_bits=8), num_kv_heads=3, head_dim=64,
+                      block_size=384, sinks=4, store_dtype=torch.bfloat16)
+    assert lay.fp_page_bytes() / lay.page_bytes > 4.0
+    with pytest.raises(CacheError, match="multiple of the policy's key group of 12"):
+        PagedLayout(QuantSpec(2, 12, "channel"), VAL2, num_kv_heads=3, head_dim=64,
+                    block_size=128, sinks=4, store_dtype=torch.bfloat16)
