@@ -136,8 +136,8 @@ def test_paged_sinks_read_in_full_precision():
     views = layout.views(pages)
     assert torch.equal(views["sink_k"][1].transpose(0, 1), k[:3])
     # the packed chunk 0 (tokens 0-7) was built with the sink rows replaced by token 3
-    from kvpolicy.kernels.torch_backend import dequantize
     from kvpolicy.kernels.layout import Packed
+    from kvpolicy.kernels.torch_backend import dequantize
     pk = Packed(views["k_codes"][1:2, :, :1], views["k_scale"][1:2, :, :1],
                 views["k_zero"][1:2, :, :1])
     got = dequantize(pk, KEY2, torch.float32)[0].transpose(0, 1)  # [8, H, D]
