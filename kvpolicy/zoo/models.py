@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import ZooError
 
-__all__ = ["MODELS", "load", "gguf_path", "cache_dir"]
+__all__ = ["MODELS", "load", "gguf_path", "cache_dir", "checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,17 @@ def _convert(name: str, target: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def checkpoint(name: str = "smollm2-135m") -> Path:
+    """The directory of a zoo model's converted transformers checkpoint (weights, config
+    and tokenizer), converting it on first use: what a serving engine loads
+    (``vllm.LLM(model=zoo.checkpoint())``)."""
+    _check_name(name)
+    target = cache_dir() / name
+    if not (target / "config.json").is_file():
+        _convert(name, target)
+    return target
+
+
 def load(name: str = "smollm2-135m", *, dtype=None):
     """Load a zoo model and its tokenizer, converting and caching it on first use.
 
@@ -104,10 +115,7 @@ def load(name: str = "smollm2-135m", *, dtype=None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _check_name(name)
-    target = cache_dir() / name
-    if not (target / "config.json").is_file():
-        _convert(name, target)
+    target = checkpoint(name)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype or torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(target)
     return model.eval(), tokenizer

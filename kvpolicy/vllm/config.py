@@ -1,0 +1,66 @@
+"""The engine settings a served policy needs, applied where vLLM checks its config."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..errors import PolicyError
+from .policy import config_value, served_policy
+
+__all__ = ["configure_engine"]
+
+log = logging.getLogger("vllm.kvpolicy")  # vLLM's handlers print it
+
+
+def _sliding(hf_config: Any) -> bool:
+    types = getattr(hf_config, "layer_types", None) or ()
+    return bool(getattr(hf_config, "sliding_window", None)) and (
+        not types or "sliding_attention" in types)
+
+
+def configure_engine(vllm_config: Any) -> None:
+    """Derive the policy named in ``additional_config`` (a no-op without one), refuse what
+    it cannot serve, and set the block size and prefix caching it needs."""
+    value = config_value(vllm_config)
+    if value is None:
+        return
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    if mc is None:
+        return
+    served = served_policy(mc.model, value, int(mc.max_model_len))
+    hf = mc.hf_text_config
+    served.check_model(num_layers=mc.get_total_num_hidden_layers(),
+                       num_kv_heads=mc.get_total_num_kv_heads(), head_dim=mc.get_head_size())
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise PolicyError("kvpolicy does not serve speculative decoding (a rejected draft "
+                          "token would have to leave the packed cache); drop "
+                          "speculative_config")
+    if not served.full_precision() and _sliding(hf):
+        raise PolicyError(
+            f"kvpolicy serves sliding-window layers ({mc.hf_config.model_type}) in vLLM only "
+            "with a 16-bit policy so far: vLLM sizes their blocks from a per-token page, "
+            "which a packed page is not; use compile_model for this model, or "
+            '{"kvpolicy": 16}')
+    if cc.enable_prefix_caching:
+        log.warning("kvpolicy: prefix caching disabled (a packed block's key groups and "
+                    "stage belong to the sequence that wrote them); pass "
+                    "enable_prefix_caching=False to silence this")
+        cc.enable_prefix_caching = False
+    chunk = served.chunk()
+    if served.full_precision():
+        return
+    if not cc.user_specified_block_size:
+        cc.block_size = served.default_block_size()
+        log.warning("kvpolicy: block_size %d (a multiple of the key group of %d tokens "
+                    "and of 32); pass block_size to choose another", cc.block_size, chunk)
+    elif cc.block_size % chunk:
+        raise PolicyError(
+            f"kvpolicy: block_size {cc.block_size} is not a multiple of the policy's key "
+            f"group of {chunk} tokens, so a group would span two blocks; pass block_size="
+            f"{served.default_block_size()} (or leave it unset)")
+    res = {t.residual for t in served.policy.tensors if t.bits < 16}
+    if res and max(res) > 0:
+        log.warning("kvpolicy: the policy's residual window of %d tokens is served as the "
+                    "incomplete key group (up to %d tokens) in full precision: vLLM's "
+                    "fixed-size pages hold no per-sequence window", max(res), chunk - 1)

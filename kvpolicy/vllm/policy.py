@@ -1,0 +1,261 @@
+"""The policy a vLLM engine serves: derived from the checkpoint with kvpolicy's analysis.
+
+``additional_config={"kvpolicy": VALUE}`` names what ``compile_model(policy=VALUE)``
+takes: a preset (``"kvpolicy-2"``), a policy file (what ``kvpolicy.save_policy`` writes), a
+dict, or an int width (``2``). The policy is derived from the served checkpoint as
+``compile_model`` derives it (the transformers model is loaded on the CPU, analysed and,
+where the policy asks for it, calibrated on the tokenizer's text; then freed), so the
+same file gives the same per-layer policy in both engines. Every process of an engine
+(front end, engine core, each tensor-parallel worker) needs it: the first derives it and
+writes it to ``$KVPOLICY_CACHE/vllm`` (with the RoPE table of pre-RoPE keys), the others
+read it back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..api import derive_policy
+from ..errors import KVPolicyError, PolicyError
+from ..kernels.layout import QuantSpec, RotarySpec
+from ..policy import ModelPolicy
+from ..runtime.cache import storage_dtype
+from ..runtime.paged import PagedLayout
+from ..zoo.models import cache_dir
+
+__all__ = ["ServedPolicy", "config_value", "served_policy"]
+
+log = logging.getLogger("vllm.kvpolicy")  # vLLM's handlers print it
+
+KEY = "kvpolicy"  # the additional_config key
+# Smallest block the plugin picks when the user gave none: the stage of each page (one
+# key group in full precision) costs (C + sinks) / block_size of a page.
+MIN_BLOCK = 512
+
+
+def config_value(vllm_config: Any) -> Any:
+    """The ``kvpolicy`` entry of ``vllm_config.additional_config``, or None."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if not isinstance(extra, dict):
+        return None
+    return extra.get(KEY)
+
+
+@dataclass
+class ServedPolicy:
+    """A derived :class:`ModelPolicy` and what serving it needs beside it."""
+
+    policy: ModelPolicy
+    rope: RotarySpec | None  # the table of pre-RoPE keys, None: keys stored as given
+    rope_why: str  # why keys are (not) stored before RoPE, for the log and inspect
+    model_dtype: torch.dtype
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({t.layer for t in self.policy.tensors})
+
+    def specs(self, layer: int, kv_heads: range | None = None) -> tuple[QuantSpec, QuantSpec]:
+        """Key and value ``QuantSpec`` of ``layer`` for the kv heads ``kv_heads`` (a
+        tensor-parallel rank's share; per-channel key widths are per head)."""
+        k, v = self.policy.get(layer, "key"), self.policy.get(layer, "value")
+        ks, vs = k.quant_spec(), v.quant_spec()
+        if ks.widths is not None and kv_heads is not None:
+            ks = QuantSpec(ks.bits, ks.group_size, ks.axis, ks.levels, ks.meta_bits, ks.fit,
+                           tuple(ks.widths[h] for h in kv_heads))
+        return ks, vs
+
+    def store_dtype(self, layer: int, cache_dtype: torch.dtype) -> torch.dtype:
+        k, v = self.policy.get(layer, "key"), self.policy.get(layer, "value")
+        return storage_dtype((k.bits, v.bits), cache_dtype) or cache_dtype
+
+    def chunk(self) -> int:
+        """Tokens of the largest key group of any layer (blocks must be multiples)."""
+        out = 1
+        for layer in self.layers:
+            ks, vs = self.specs(layer)
+            out = math.lcm(out, ks.token_group, vs.token_group)
+        return out
+
+    def full_precision(self) -> bool:
+        return all(t.bits == 16 for t in self.policy.tensors)
+
+    def layout(self, layer: int, *, num_kv_heads: int, head_dim: int, v_head_dim: int,
+               block_size: int, cache_dtype: torch.dtype,
+               kv_heads: range | None = None) -> PagedLayout:
+        ks, vs = self.specs(layer, kv_heads)
+        k = self.policy.get(layer, "key")
+        return PagedLayout(ks, vs, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           v_head_dim=v_head_dim, block_size=block_size, sinks=k.sinks,
+                           store_dtype=self.store_dtype(layer, cache_dtype))
+
+    def page_bytes(self, **kw: Any) -> int:
+        """The largest page of any layer: vLLM gives every layer of a group one size."""
+        return max(self.layout(layer, **kw).page_bytes for layer in self.layers)
+
+    def default_block_size(self) -> int:
+        step = math.lcm(self.chunk(), 32)
+        return step * max(1, -(-MIN_BLOCK // step))
+
+    def check_model(self, *, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        """Refuse a policy that does not fit the served model, naming the mismatch."""
+        problems = []
+        if self.layers != list(range(num_layers)):
+            problems.append(f"the policy covers layers {self.layers[0]}-{self.layers[-1]} "
+                            f"({len(self.layers)}), the model has {num_layers}")
+        k = self.policy.get(self.layers[0], "key")
+        if k.num_kv_heads != num_kv_heads:
+            problems.append(f"the policy has {k.num_kv_heads} kv heads per layer, the model "
+                            f"{num_kv_heads}")
+        if k.head_dim != head_dim:
+            problems.append(f"the policy's head_dim is {k.head_dim}, the model's {head_dim}")
+        if problems:
+            raise PolicyError(f"kvpolicy: the policy {self.policy.source!r} does not fit the "
+                              f"served model: {'; '.join(problems)}; derive it from this "
+                              "checkpoint (kvpolicy.save_policy after compile_model)")
+
+
+def _cache_key(model_path: str, value: Any) -> str:
+    cfg = Path(model_path) / "config.json"
+    h = hashlib.sha256()
+    h.update(version("kvpolicy").encode())
+    h.update(str(Path(model_path).resolve()).encode())
+    h.update(cfg.read_bytes() if cfg.is_file() else b"")
+    if isinstance(value, (str, os.PathLike)) and Path(value).is_file():
+        h.update(Path(value).read_bytes())
+    h.update(json.dumps(value, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:24]
+
+
+def _rope_table(model: torch.nn.Module, policy: ModelPolicy,
+                max_positions: int) -> tuple[RotarySpec | None, str]:
+    """The rotary table of the model's pre-RoPE keys, from the model's own rotary module
+    (``model.model.rotary_emb``), or None and why."""
+    keys = [t for t in policy.tensors if t.tensor.value == "key"]
+    pre = [t for t in keys if t.pre_rope and t.bits < 16]
+    if not pre:
+        return None, "no quantized key is cached before RoPE"
+    styles = {(t.rope_style, t.rotary_dim) for t in pre}
+    if len(styles) != 1:
+        return None, f"layers rotate keys differently ({sorted(styles, key=str)})"
+    style, rdim = styles.pop()
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if style != "rotate_half" or rotary is None:
+        return None, (f"the rotation ({style}) is not one the plugin can read off the model "
+                      "(model.model.rotary_emb, rotate_half)")
+    pos = torch.arange(max_positions)[None]
+    x = torch.zeros(1, dtype=torch.float32)
+    try:
+        cos, sin = rotary(x, pos)
+    except TypeError as e:  # e.g. a rotary module that needs a layer type (Gemma3)
+        return None, f"the model's rotary module needs more than positions ({e})"
+    cos, sin = cos[0].float(), sin[0].float()
+    if cos.shape[-1] != rdim:
+        return None, f"the model's rotary table has {cos.shape[-1]} channels, keys {rdim}"
+    return RotarySpec("rotate_half", rdim, cos.contiguous(), sin.contiguous()), \
+        f"keys cached before RoPE ({style} {rdim}), rotated back from vLLM's keys"
+
+
+def _derive(model_path: str, value: Any, max_positions: int) -> ServedPolicy:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as e:
+        log.warning("kvpolicy: no tokenizer beside %s (%s): policies that calibrate on text "
+                    "fall back as compile_model does without one", model_path, e)
+        tokenizer = None
+    bits = value if isinstance(value, (int, float)) and not isinstance(value, bool) else 2
+    policy = None if isinstance(value, (int, float)) else value
+    pol = derive_policy(model, bits=bits, policy=policy, calibration=tokenizer,
+                        progress=False)
+    rope, why = _rope_table(model, pol, max_positions)
+    dtype = getattr(model.config, "dtype", None)
+    del model
+    return ServedPolicy(pol, rope, why, dtype if isinstance(dtype, torch.dtype)
+                        else torch.float32)
+
+
+_MEMO: dict[str, ServedPolicy] = {}
+
+
+def served_policy(model_path: str, value: Any, max_positions: int) -> ServedPolicy:
+    """The policy ``value`` derived for the checkpoint at ``model_path``, with a RoPE
+    table of ``max_positions`` rows; derived once per checkpoint and value, then read
+    from the disk cache (``$KVPOLICY_CACHE/vllm``) by every later process."""
+    key = f"{_cache_key(model_path, value)}-{max_positions}"
+    if key in _MEMO:
+        return _MEMO[key]
+    where = cache_dir() / "vllm" / key
+    if not (where / "policy.json").is_file():
+        log.info("kvpolicy: deriving the policy %r for %s", value, model_path)
+        # In a child process: the analysis and the transformers model stay out of the
+        # engine's processes (a front end that derived in-process aborted at exit).
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvpolicy.vllm.policy", model_path, json.dumps(value),
+             str(max_positions), str(where)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(_ERROR)]
+            why = lines[-1][len(_ERROR):] if lines else proc.stderr[-2000:]
+            raise PolicyError(f"kvpolicy: cannot serve the policy {value!r} on "
+                              f"{model_path}: {why}")
+    served = _read(where)
+    _MEMO[key] = served
+    return served
+
+
+_ERROR = "kvpolicy-error: "
+
+
+def _read(where: Path) -> ServedPolicy:
+    pol = ModelPolicy.model_validate_json((where / "policy.json").read_text())
+    meta = json.loads((where / "meta.json").read_text())
+    rope = None
+    if meta["rope"]:
+        t = torch.load(where / "rope.pt")
+        rope = RotarySpec("rotate_half", meta["rotary_dim"], t["cos"], t["sin"])
+    return ServedPolicy(pol, rope, meta["why"], getattr(torch, meta["dtype"]))
+
+
+def _store(served: ServedPolicy, where: Path) -> None:
+    tmp = where.with_name(where.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "policy.json").write_text(served.policy.model_dump_json())
+    (tmp / "meta.json").write_text(json.dumps({
+        "rope": served.rope is not None, "why": served.rope_why,
+        "rotary_dim": None if served.rope is None else served.rope.rotary_dim,
+        "dtype": str(served.model_dtype).removeprefix("torch.")}))
+    if served.rope is not None:
+        torch.save({"cos": served.rope.cos, "sin": served.rope.sin}, tmp / "rope.pt")
+    try:
+        tmp.rename(where)
+    except OSError:  # another process got there first, with the same content
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _main(argv: list[str]) -> int:
+    model_path, value, max_positions, where = argv
+    try:
+        served = _derive(model_path, json.loads(value), int(max_positions))
+    except (KVPolicyError, OSError, ValueError) as e:
+        print(_ERROR + " ".join(str(e).split()), file=sys.stderr)
+        return 2
+    _store(served, Path(where))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
