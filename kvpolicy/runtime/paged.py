@@ -33,7 +33,7 @@ does.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -181,19 +181,49 @@ class SeqBatch:
     query_start: list[int]
     seq_lens: list[int]
     block_table: torch.Tensor
+    # Index tensors derived from the batch, shared by every layer of the step (keyed by
+    # what they depend on: a layer's block size, chunk, sinks, window ...).
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def n(self) -> int:
         return len(self.seq_lens)
+
+    def cached(self, key: tuple, make):
+        """``make()`` once per ``key`` for this batch."""
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
 
     def query_len(self, i: int) -> int:
         return self.query_start[i + 1] - self.query_start[i]
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """``[num_tokens]`` int64: each query token's position in its sequence."""
-        parts = [torch.arange(s - self.query_len(i), s)
-                 for i, s in enumerate(self.seq_lens)]
-        return torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.long)
+        def make() -> torch.Tensor:
+            parts = [torch.arange(s - self.query_len(i), s)
+                     for i, s in enumerate(self.seq_lens)]
+            return torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.long)
+        return self.cached(("positions", device), make)
+
+    def groups(self, device: torch.device) -> tuple:
+        """``(rows, sub)`` of the sequences adding one token (rows: their query rows,
+        sub: them as one batch; ``(None, None)`` without any), and ``(i, start, n, sub)``
+        for each sequence adding several."""
+        def make() -> tuple:
+            single = [i for i in range(self.n) if self.query_len(i) == 1]
+            rows = sub = None
+            if single:
+                rows = torch.tensor([self.query_start[i] for i in single], device=device)
+                sub = SeqBatch(list(range(len(single) + 1)),
+                               [self.seq_lens[i] for i in single],
+                               self.block_table[torch.tensor(single, device=device)])
+            many = [(i, self.query_start[i], self.query_len(i),
+                     SeqBatch([0, self.query_len(i)], [self.seq_lens[i]],
+                              self.block_table[i : i + 1]))
+                    for i in range(self.n) if self.query_len(i) > 1]
+            return rows, sub, many
+        return self.cached(("groups", device), make)
 
 
 class PagedKV:
@@ -246,22 +276,13 @@ class PagedKV:
             v = v.float() @ rot
         k, v = k.to(store), v.to(store)
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32)
-        single = [i for i in range(batch.n) if batch.query_len(i) == 1]
-        if single:
-            rows = torch.tensor([batch.query_start[i] for i in single], device=q.device)
-            idx = torch.tensor(single, device=q.device)
-            sub = SeqBatch(list(range(len(single) + 1)),
-                           [batch.seq_lens[i] for i in single], batch.block_table[idx])
+        rows, single, many = batch.groups(q.device)
+        if single is not None:
             o = self._attend(kern, views, q[rows].unsqueeze(2), k[rows].unsqueeze(2),
-                             v[rows].unsqueeze(2), sub)
+                             v[rows].unsqueeze(2), single)
             out[rows] = o[:, :, 0]
-            self._append(kern, views, k[rows], v[rows], sub)
-        for i in range(batch.n):
-            n = batch.query_len(i)
-            if n == 1 or n == 0:
-                continue
-            a = batch.query_start[i]
-            sub = SeqBatch([0, n], [batch.seq_lens[i]], batch.block_table[i : i + 1])
+            self._append(kern, views, k[rows], v[rows], single)
+        for i, a, n, sub in many:
             qi, ki, vi = q[a : a + n], k[a : a + n], v[a : a + n]
             qi, ki4, vi4 = (x.transpose(0, 1).unsqueeze(0) for x in (qi, ki, vi))
             if batch.seq_lens[i] == n and self.softcap is None:
@@ -315,23 +336,24 @@ class PagedKV:
         return Packed(*(self._gather(views, f"{name}_{x}", blocks)
                         for x in ("codes", "scale", "zero")))
 
-    def _attend(self, kern, views, q, k_new, v_new, batch: SeqBatch) -> torch.Tensor:
-        """``q [B, Hq, Tq, D]`` of sequences that each add ``Tq`` tokens ``k_new/v_new
-        [B, Hkv, Tq, D]`` attends over the cache as it stood and those tokens (fp32 out)."""
-        lay, dev = self.layout, q.device
-        b, _, tq, _ = q.shape
-        bs, s_n, c = lay.block_size, lay.sinks, lay.chunk
+    def _key(self) -> tuple:
+        lay = self.layout
+        top = None if self.rope is None else self.rope.max_positions - 1
+        return (lay.block_size, lay.chunk, lay.sinks, lay.full_precision, self.window, top)
+
+    def _attend_index(self, batch: SeqBatch, tq: int, dev: torch.device) -> dict:
+        """What attention reads for ``batch`` adding ``tq`` tokens per sequence: block
+        ids, positions and masks of each segment (the same for every layer of a step)."""
+        lay = self.layout
+        b, bs, s_n, c = batch.n, lay.block_size, lay.sinks, lay.chunk
         prev = torch.tensor(batch.seq_lens, device=dev) - tq  # tokens cached before
         qpos = prev[:, None] + torch.arange(tq, device=dev)
-        new_pos = qpos
-        pk = pv = kpos = pmask = None
-        fks, fvs, fpos, fok = [], [], [], []
+        ix: dict = {"blocks": None, "kpos": None, "pmask": None, "first": None, "tail": None}
+        fpos, fok = [], []
         if lay.full_precision:
             nb = -(-int(prev.max()) // bs)
             if nb:
-                blocks = batch.block_table[:, :nb]
-                fks.append(self._gather(views, "k", blocks))
-                fvs.append(self._gather(views, "v", blocks))
+                ix["blocks"] = batch.block_table[:, :nb]
                 t = torch.arange(nb * bs, device=dev).expand(b, -1)
                 fpos.append(t)
                 fok.append(t < prev[:, None])
@@ -339,50 +361,72 @@ class PagedKV:
             n_packed = prev // c * c  # tokens whose chunk is complete (sink rows included)
             nb = -(-int(n_packed.max()) // bs)
             if nb:
-                blocks = batch.block_table[:, :nb]
-                pk = self._segment(views, "k", lay.key_spec, blocks)
-                pv = self._segment(views, "v", lay.value_spec, blocks)
+                ix["blocks"] = batch.block_table[:, :nb]
                 kpos = torch.arange(nb * bs, device=dev).expand(b, -1)
-                pmask = self._visible(qpos, kpos, (kpos >= s_n) & (kpos < n_packed[:, None]))
+                ix["pmask"] = self._visible(qpos, kpos,
+                                            (kpos >= s_n) & (kpos < n_packed[:, None]))
+                ix["kpos"] = kpos
             if s_n:
-                first = batch.block_table[:, 0]
-                fks.append(views["sink_k"][first])
-                fvs.append(views["sink_v"][first])
+                ix["first"] = batch.block_table[:, 0]
                 t = torch.arange(s_n, device=dev).expand(b, -1)
                 fpos.append(t)
                 fok.append(t < prev[:, None])
             if c > 1:
-                tail = batch.block_table.gather(
-                    1, (n_packed // bs).clamp(max=batch.block_table.shape[1] - 1)[:, None])[:, 0]
-                fks.append(views["stage_k"][tail])
-                fvs.append(views["stage_v"][tail])
+                at = (n_packed // bs).clamp(max=batch.block_table.shape[1] - 1)
+                ix["tail"] = batch.block_table.gather(1, at[:, None])[:, 0]
                 t = n_packed[:, None] + torch.arange(c, device=dev)
                 fpos.append(t)
                 fok.append((t < prev[:, None]) & (t >= s_n))
-        fks.append(k_new)
-        fvs.append(v_new)
-        fpos.append(new_pos)
-        fok.append(torch.ones_like(new_pos, dtype=torch.bool))
-        fk, fv = torch.cat(fks, dim=2), torch.cat(fvs, dim=2)
+        fpos.append(qpos)
+        fok.append(torch.ones_like(qpos, dtype=torch.bool))
         fp_pos, fp_ok = torch.cat(fpos, dim=1), torch.cat(fok, dim=1)
+        ix["fmasks"] = [self._visible(qpos[:, r0 : r0 + _ROWS], fp_pos, fp_ok)
+                        for r0 in range(0, tq, _ROWS)]
         if self.rope is not None:
             # Masked slots (past a sequence's end, in the last block) may lie beyond the
             # table: any row serves them.
             top = self.rope.max_positions - 1
-            kpos = None if kpos is None else kpos.clamp(max=top)
+            ix["kpos"] = None if ix["kpos"] is None else ix["kpos"].clamp(max=top)
             fp_pos = fp_pos.clamp(max=top)
+        ix["fp_pos"] = fp_pos
+        return ix
+
+    def _attend(self, kern, views, q, k_new, v_new, batch: SeqBatch) -> torch.Tensor:
+        """``q [B, Hq, Tq, D]`` of sequences that each add ``Tq`` tokens ``k_new/v_new
+        [B, Hkv, Tq, D]`` attends over the cache as it stood and those tokens (fp32 out)."""
+        lay, dev, tq = self.layout, q.device, q.shape[2]
+        ix = batch.cached(("attend", tq, dev, *self._key()),
+                          lambda: self._attend_index(batch, tq, dev))
+        pk = pv = None
+        fks, fvs = [], []
+        blocks = ix["blocks"]
+        if blocks is not None and lay.full_precision:
+            fks.append(self._gather(views, "k", blocks))
+            fvs.append(self._gather(views, "v", blocks))
+        elif blocks is not None:
+            pk = self._segment(views, "k", lay.key_spec, blocks)
+            pv = self._segment(views, "v", lay.value_spec, blocks)
+        if ix["first"] is not None:
+            fks.append(views["sink_k"][ix["first"]])
+            fvs.append(views["sink_v"][ix["first"]])
+        if ix["tail"] is not None:
+            fks.append(views["stage_k"][ix["tail"]])
+            fvs.append(views["stage_v"][ix["tail"]])
+        fks.append(k_new)
+        fvs.append(v_new)
+        fk, fv = torch.cat(fks, dim=2), torch.cat(fvs, dim=2)
+        rope = self.rope
         outs = []
-        for r0 in range(0, tq, _ROWS):
+        for j, r0 in enumerate(range(0, tq, _ROWS)):
             r1 = min(tq, r0 + _ROWS)
-            qp = qpos[:, r0:r1]
-            fmask = self._visible(qp, fp_pos, fp_ok)
             out, _ = kern.decode_attention(
                 q[:, :, r0:r1], pk, pv, lay.key_spec, lay.value_spec, fk, fv,
-                scale=self.scale, mask=None if pmask is None else pmask[:, :, r0:r1],
-                fp_mask=fmask, rope=self.rope,
-                k_positions=None if self.rope is None or pk is None else kpos,
-                fp_positions=None if self.rope is None else fp_pos,
-                softcap=self.softcap)
+                scale=self.scale,
+                mask=None if ix["pmask"] is None else ix["pmask"][:, :, r0:r1],
+                fp_mask=ix["fmasks"][j], rope=rope,
+                k_positions=None if rope is None or pk is None else ix["kpos"],
+                fp_positions=None if rope is None else ix["fp_pos"],
+                check_positions=False, softcap=self.softcap)
             outs.append(out)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 

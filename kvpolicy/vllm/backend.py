@@ -186,12 +186,24 @@ class KVPolicyAttentionImpl(AttentionImpl):
         if self._paged is None:
             self._paged = self._build(layer, kv_cache, query)
         n = attn_metadata.num_actual_tokens
-        batch = SeqBatch(attn_metadata.query_start_loc.tolist(),
-                         attn_metadata.seq_lens.tolist(), attn_metadata.block_table)
+        batch = _step_batch(attn_metadata)
         pages = _pages(kv_cache)
         out = self._paged.forward(pages, query[:n], key[:n], value[:n], batch)
         output[:n] = out.reshape(output[:n].shape)
         return output
+
+
+# The last step's metadata and its SeqBatch: every layer of a step gets the same metadata
+# object, so the batch's index tensors are built once per step (a strong reference, so
+# that a later step's metadata cannot take a freed one's identity).
+_STEP: list = [None, None]
+
+
+def _step_batch(meta) -> SeqBatch:
+    if _STEP[0] is not meta:
+        _STEP[:] = [meta, SeqBatch(meta.query_start_loc.tolist(), meta.seq_lens.tolist(),
+                                   meta.block_table)]
+    return _STEP[1]
 
 
 def _pages(kv_cache: torch.Tensor) -> torch.Tensor:
