@@ -523,6 +523,6 @@ class PagedKV:
             rows = x.shape[2] // spec.token_group
             at = off // spec.token_group
             r = at[:, None] + torch.arange(rows, device=x.device)
-            for field, part in zip(("codes", "scale", "zero"), p, strict=True):
+            for part_name, part in zip(("codes", "scale", "zero"), p, strict=True):
                 # [n, H, rows, ...] -> [n, rows, H, ...] at (block, row)
-                views[f"{name}_{field}"].transpose(1, 2)[blk[:, None], r] = part.transpose(1, 2)
+                views[f"{name}_{part_name}"].transpose(1, 2)[blk[:, None], r] = part.transpose(1, 2)
