@@ -1,4 +1,5 @@
-"""A packed KV cache in fixed-size pages: what a paged serving engine (vLLM) allocates.
+"""A packed KV cache in fixed-size pages: what a paged serving engine (vLLM) allocates
+(docs/design.md §8).
 
 A serving engine hands every attention layer one byte tensor ``[num_blocks, page_bytes]``
 and, per step, a table of the blocks each sequence owns. :class:`PagedLayout` says what a

@@ -28,6 +28,17 @@ def configure_engine(vllm_config: Any) -> None:
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     if mc is None:
         return
+    kinds = [what for what, yes in (
+        ("multi-head latent attention (MLA: vLLM caches the latent, not per-head K/V)",
+         getattr(mc, "use_mla", False)),
+        ("a hybrid model (attention beside state-space layers share one block pool)",
+         getattr(mc, "is_hybrid", False)),
+        ("an attention-free model", getattr(mc, "is_attention_free", False)),
+        ("an encoder-decoder model", getattr(mc, "is_encoder_decoder", False)),
+    ) if yes]
+    if kinds:
+        raise PolicyError(f"kvpolicy cannot serve {kinds[0]} in vLLM; serve it without "
+                          "additional_config['kvpolicy'], or compile it with compile_model")
     served = served_policy(mc.model, value, int(mc.max_model_len))
     hf = mc.hf_text_config
     served.check_model(num_layers=mc.get_total_num_hidden_layers(),

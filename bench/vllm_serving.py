@@ -1,0 +1,136 @@
+"""vLLM's bf16 cache against kvpolicy's packed pages, in the same KV memory, in one run.
+
+    .venv-vllm/bin/python bench/vllm_serving.py          # make bench-vllm
+
+SmolLM2-135M in bf16 on vLLM's CPU engine, three caches: vLLM's own (bf16, its CPU
+attention), ``{"kvpolicy": 2}`` and ``{"kvpolicy": {"defaults": {"stored_bits": 3.0}}}``.
+Every engine gets the KV memory that holds 8 requests (448 prompt + 128 output tokens) in
+bf16 pages and reports:
+
+- KV capacity: the tokens its blocks hold, and the requests of this shape that fit at once;
+- output tokens/s with 1, 8 and 32 requests submitted together (greedy, 128 tokens each);
+- prompt-logprob perplexity of 1,024 pydoc tokens scored in chunks of 64 (a separate
+  engine with ``max_num_batched_tokens=64``, so that later chunks read the packed cache).
+
+Each engine runs in its own process (``--worker``); ratios are against bf16 in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+PROMPT, OUTPUT = 448, 128
+CONFIGS = {
+    "vLLM bf16": None,
+    "kvpolicy bits=2": 2,
+    "kvpolicy stored_bits=3.0": {"defaults": {"stored_bits": 3.0}},
+}
+
+
+def _bf16_bytes_per_token() -> int:
+    from transformers import AutoConfig
+
+    from kvpolicy import zoo
+    c = AutoConfig.from_pretrained(zoo.checkpoint())
+    head_dim = getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 2
+
+
+def _kv_memory() -> int:
+    blocks = math.ceil((PROMPT + OUTPUT) / 128)  # vLLM's CPU block of 128 tokens
+    return 8 * blocks * 128 * _bf16_bytes_per_token()
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from kvpolicy import zoo
+    from kvpolicy.zoo.text import pydoc_tokens
+    ids = pydoc_tokens(AutoTokenizer.from_pretrained(zoo.checkpoint())).tolist()
+    return [ids[(seed + i) * PROMPT * 2 : (seed + i) * PROMPT * 2 + PROMPT] for i in range(n)]
+
+
+def worker(name: str, job: str) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvpolicy import zoo
+    value = CONFIGS[name]
+    extra = {} if value is None else {"additional_config": {"kvpolicy": value}}
+    common = dict(model=str(zoo.checkpoint()), dtype="bfloat16", seed=0, enforce_eager=True,
+                  enable_prefix_caching=False, max_model_len=2048, **extra)
+    out: dict = {}
+    if job == "score":
+        from transformers import AutoTokenizer
+
+        from kvpolicy.zoo.text import pydoc_tokens
+        ids = pydoc_tokens(AutoTokenizer.from_pretrained(zoo.checkpoint()))[40000:41024]
+        ids = ids.tolist()
+        llm = LLM(max_num_batched_tokens=64, max_num_seqs=64, **common)
+        r = llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                         SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        lps = [r.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+        out["perplexity"] = math.exp(-sum(lps) / len(lps))
+    else:
+        llm = LLM(kv_cache_memory_bytes=_kv_memory(), max_num_seqs=32, **common)
+        cc = llm.llm_engine.vllm_config.cache_config
+        out["block_size"], out["blocks"] = cc.block_size, cc.num_gpu_blocks
+        out["tokens"] = cc.block_size * cc.num_gpu_blocks
+        per_req = math.ceil((PROMPT + OUTPUT) / cc.block_size)
+        out["requests"] = cc.num_gpu_blocks // per_req
+        sp = SamplingParams(max_tokens=OUTPUT, temperature=0, ignore_eos=True)
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in _prompts(1, 99)], sp)  # warm
+        for n in (1, 8, 32):
+            prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(n, 0)]
+            t = time.perf_counter()
+            res = llm.generate(prompts, sp, use_tqdm=False)
+            dt = time.perf_counter() - t
+            out[f"tok/s@{n}"] = sum(len(r.outputs[0].token_ids) for r in res) / dt
+    llm.llm_engine.engine_core.shutdown()
+    return out
+
+
+def _run(name: str, job: str) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--worker", name, job],
+                          capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
+        raise SystemExit(f"{name} {job}: the engine run failed ({proc.returncode})")
+    return json.loads(lines[-1][7:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "JOB"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(*args.worker)), flush=True)
+        os._exit(0)  # see tests/vllm/vllm_engine.py: skip the front end's teardown
+    print(f"KV memory {_kv_memory() / 2**20:.1f} MiB (8 requests of {PROMPT} + {OUTPUT} "
+          "tokens in bf16 pages); SmolLM2-135M bf16, vLLM CPU engine", flush=True)
+    rows = {}
+    for name in CONFIGS:
+        rows[name] = {**_run(name, "serve"), **_run(name, "score")}
+        print(name, json.dumps(rows[name]), flush=True)
+    base = rows["vLLM bf16"]
+    head = ("| cache | block | KV tokens (x bf16) | requests at once | tok/s @1 | @8 | @32 "
+            "| perplexity (x bf16) |")
+    print("\n" + head + "\n|" + "---|" * 8)
+    for name, r in rows.items():
+        def x(key: str, r=r) -> str:
+            return f"{r[key]:.1f} ({r[key] / base[key]:.2f}x)"
+        tokens = f"{r['tokens']:,} ({r['tokens'] / base['tokens']:.2f}x)"
+        ppl = f"{r['perplexity']:.3f} ({r['perplexity'] / base['perplexity']:.4f}x)"
+        print(f"| {name} | {r['block_size']} | {tokens} | {r['requests']} | {x('tok/s@1')} "
+              f"| {x('tok/s@8')} | {x('tok/s@32')} | {ppl} |")
+
+
+if __name__ == "__main__":
+    main()
