@@ -106,8 +106,11 @@ class ServedPolicy:
         return max(self.layout(layer, **kw).page_bytes for layer in self.layers)
 
     def default_block_size(self) -> int:
-        step = math.lcm(self.chunk(), 32)
-        return step * max(1, -(-MIN_BLOCK // step))
+        """The smallest multiple of ``lcm(chunk, 32)`` holding at least ``MIN_BLOCK`` tokens
+        and 8 chunks (a page's stage is then at most an eighth of its tokens)."""
+        chunk = self.chunk()
+        step = math.lcm(chunk, 32)
+        return step * max(1, -(-max(MIN_BLOCK, 8 * chunk) // step))
 
     def check_model(self, *, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         """Refuse a policy that does not fit the served model, naming the mismatch."""
