@@ -120,7 +120,7 @@ def test_2_bits_capacity_and_perplexity_match_compile_model(smollm2, pydoc_ids):
     """The served 2-bit policy: the same quantizer as compile_model's (served with its
     residual window as the incomplete key group, so compared with ``residual: 0``) within
     1% in perplexity, the prompt scored in chunks of 64 tokens so that later chunks read
-    the packed cache; and at least 4x the tokens of a bf16 cache in 1 GiB."""
+    the packed cache; and at least 4.5x the tokens of a bf16 cache in 1 GiB."""
     engine = {"dtype": "float32", "max_model_len": 2048, "max_num_batched_tokens": 64,
               "max_num_seqs": 64}
     ours, log = run_engine({"model": smollm2, "score": pydoc_ids,
@@ -128,7 +128,7 @@ def test_2_bits_capacity_and_perplexity_match_compile_model(smollm2, pydoc_ids):
     _, base_log = run_engine({"model": smollm2, "prompts": PROMPTS[:1], "max_tokens": 1,
                               "engine": {"dtype": "bfloat16", "max_model_len": 2048}})
     ratio = kv_tokens(log) / kv_tokens(base_log)
-    assert ratio >= 4.0, f"2-bit pages hold {ratio:.2f}x the tokens of bf16 pages"
+    assert ratio >= 4.5, f"2-bit pages hold {ratio:.2f}x the tokens of bf16 pages"
     want = _compiled_perplexity(smollm2, pydoc_ids, {"defaults": {"residual": 0}}, 64)
     fp = _compiled_perplexity(smollm2, pydoc_ids, None, 64)
     got = ours["perplexity"]
