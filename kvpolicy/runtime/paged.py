@@ -61,7 +61,7 @@ class PagedField:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _meta_dtypes(spec: QuantSpec, store: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
@@ -146,8 +146,8 @@ class PagedLayout:
 
     def fp_page_bytes(self) -> int:
         """Bytes a page of the same tokens takes as plain K and V in ``store_dtype``."""
-        size = torch.empty(0, dtype=self.store_dtype).element_size()
-        return self.num_kv_heads * self.block_size * (self.head_dim + self.v_head_dim) * size
+        return (self.num_kv_heads * self.block_size * (self.head_dim + self.v_head_dim)
+                * self.store_dtype.itemsize)
 
     def views(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every field of ``pages [num_blocks, >= page_bytes]`` (uint8 or int8) as a view

@@ -15,12 +15,12 @@ it is vLLM's own backend (every class method defers to ``CPUAttentionBackend``).
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import replace
 from typing import Any
 
 import torch
 from vllm.config import get_current_vllm_config_or_none
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -100,9 +100,6 @@ class KVPolicyAttentionBackend(CPUAttentionBackend):
         return KVPolicyAttentionImpl
 
 
-_LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
-
-
 class KVPolicyAttentionImpl(AttentionImpl):
     """One attention layer of a vLLM model over kvpolicy's packed pages."""
 
@@ -148,11 +145,11 @@ class KVPolicyAttentionImpl(AttentionImpl):
     def _build(self, layer: torch.nn.Module, kv_cache: torch.Tensor,
                query: torch.Tensor) -> PagedKV:
         name = getattr(layer, "layer_name", "")
-        found = _LAYER.findall(name)
-        if len(found) != 1:
+        try:
+            index = extract_layer_index(name)
+        except (AssertionError, ValueError) as e:
             raise KVPolicyError(f"cannot read a layer index from the attention layer "
-                                f"{name!r}")
-        index = int(found[0])
+                                f"{name!r}") from e
         # vLLM's view of a layer's cache is [num_blocks, head slots, block_size, bytes]
         block_size = kv_cache.shape[2]
         cache_dtype = getattr(layer, "kv_cache_torch_dtype", None) or query.dtype

@@ -21,7 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -73,8 +73,7 @@ class ServedPolicy:
         k, v = self.policy.get(layer, "key"), self.policy.get(layer, "value")
         ks, vs = k.quant_spec(), v.quant_spec()
         if ks.widths is not None and kv_heads is not None:
-            ks = QuantSpec(ks.bits, ks.group_size, ks.axis, ks.levels, ks.meta_bits, ks.fit,
-                           tuple(ks.widths[h] for h in kv_heads))
+            ks = replace(ks, widths=tuple(ks.widths[h] for h in kv_heads))
         return ks, vs
 
     def store_dtype(self, layer: int, cache_dtype: torch.dtype) -> torch.dtype:
@@ -192,17 +191,18 @@ def _derive(model_path: str, value: Any, max_positions: int) -> ServedPolicy:
                         else torch.float32)
 
 
-_MEMO: dict[str, ServedPolicy] = {}
+_MEMO: dict[tuple, ServedPolicy] = {}
 
 
 def served_policy(model_path: str, value: Any, max_positions: int) -> ServedPolicy:
     """The policy ``value`` derived for the checkpoint at ``model_path``, with a RoPE
     table of ``max_positions`` rows; derived once per checkpoint and value, then read
     from the disk cache (``$KVPOLICY_CACHE/vllm``) by every later process."""
-    key = f"{_cache_key(model_path, value)}-{max_positions}"
-    if key in _MEMO:
-        return _MEMO[key]
-    where = cache_dir() / "vllm" / key
+    # Memoized on the arguments: every layer's impl asks, and the disk key reads files.
+    memo = (model_path, json.dumps(value, sort_keys=True, default=str), max_positions)
+    if memo in _MEMO:
+        return _MEMO[memo]
+    where = cache_dir() / "vllm" / f"{_cache_key(model_path, value)}-{max_positions}"
     if not (where / "policy.json").is_file():
         log.info("kvpolicy: deriving the policy %r for %s", value, model_path)
         # In a child process: the analysis and the transformers model stay out of the
@@ -216,7 +216,7 @@ def served_policy(model_path: str, value: Any, max_positions: int) -> ServedPoli
             raise PolicyError(f"kvpolicy: cannot serve the policy {value!r} on "
                               f"{model_path}: {why}")
     served = _read(where)
-    _MEMO[key] = served
+    _MEMO[memo] = served
     return served
 
 
