@@ -469,7 +469,7 @@ class Context:
         tensors, as ``derive_policy`` builds them), and the preset's own group for quanto."""
         if self._policy is None:
             import kvpolicy
-            from kvpolicy.policy import load_spec
+            from kvpolicy.policies import load_spec
 
             pol = kvpolicy.derive_policy(self.base_model(), bits=2,
                                          calibration=self.calibration_ids(), progress=False)

@@ -13,7 +13,7 @@ cache that attention reads directly.
 from .api import analyse_model, compile_model, derive_policy, inspect, save_policy
 from .errors import AnalysisError, CacheError, KVPolicyError, PolicyError, ZooError
 from .evaluation.run import evaluate
-from .policy import (
+from .policies import (
     Axis,
     Calibration,
     ModelPolicy,

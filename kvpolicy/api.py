@@ -1,7 +1,7 @@
 """The public entry points: ``compile_model``, ``derive_policy``, ``inspect``, ``save_policy``.
 
-Each is a few lines over the pipeline (docs/design.md §4): *analyse* (``kvpolicy.analysis``)
--> *derive* (``kvpolicy.policy``; a bit budget through ``kvpolicy.calibrate``) -> *rewrite*
+Each is a few lines over the pipeline (docs/design.md §4): *analyse* (``kvpolicy.passes``)
+-> *derive* (``kvpolicy.policies``; a bit budget through ``kvpolicy.calibrate``) -> *rewrite*
 and check (``kvpolicy.compiler``) -> *install* (``kvpolicy.runtime``).
 """
 
@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .analysis.analyse import analyse_model
-from .analysis.config import sliding_windows
 from .calibrate.apply import budget_policy, channel_policy, channel_text, uniform_widths
 from .calibrate.channels import spreads
 from .compiler import compile_blocks
 from .errors import KVPolicyError, PolicyError
 from .kernels.backend import check_name as check_backend
-from .policy import Calibration, ModelPolicy, PolicySpec, build_policy, load_spec
+from .passes.analyse import analyse_model
+from .passes.config import sliding_windows
+from .policies import Calibration, ModelPolicy, PolicySpec, build_policy, load_spec
 from .runtime.install import CompiledModel, install
 from .state import compiled_of, state_of
 

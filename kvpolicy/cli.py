@@ -12,7 +12,7 @@ from . import api, evaluation, zoo
 from .calibrate.budget import calibration_ids_from_file
 from .errors import KVPolicyError, ZooError
 from .evaluation.stored import STORED_BUDGETS
-from .policy import SUPPORTED_BITS, list_presets, load_spec
+from .policies import SUPPORTED_BITS, list_presets, load_spec
 from .zoo import tiny
 
 __all__ = ["main", "build_parser", "load_model"]

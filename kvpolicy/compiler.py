@@ -1,7 +1,7 @@
 """Compile time: rewrite each analysed block kind onto the packed cache and check it.
 
 For each block kind the analysed export is unlifted (``ExportedProgram.module()``) and
-rewritten once (``kvpolicy.rewrite``). A second call structure is traced where the model
+rewritten once (``kvpolicy.passes.rewrite``). A second call structure is traced where the model
 takes an attention mask (left-padded batches). Every rewritten graph is run once at full
 precision against the original block; only then does ``kvpolicy.api.compile_model`` install
 anything (``runtime.install``), so a failed compile leaves the model as it was.
@@ -15,17 +15,17 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import rewrite as rw
-from .analysis.analyse import (
+from .errors import KVPolicyError
+from .passes import rewrite as rw
+from .passes.analyse import (
     BlockAnalysis,
     ModelAnalysis,
     analyse_block,
     probe_inputs,
 )
-from .analysis.config import sliding_windows
-from .analysis.trace import AttentionCall, dynamic_dims, find_attention_blocks, trace_block
-from .errors import KVPolicyError
-from .policy import ModelPolicy
+from .passes.config import sliding_windows
+from .passes.trace import AttentionCall, dynamic_dims, find_attention_blocks, trace_block
+from .policies import ModelPolicy
 from .runtime.cache import KVPolicyCache
 from .runtime.install import (
     KindGraph,

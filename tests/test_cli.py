@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from kvpolicy import cli
-from kvpolicy.analysis.facts import Contracted, LayerFacts, RopeFacts, RopeStyle, TensorFacts
 from kvpolicy.calibrate.budget import calibration_ids_from_file
 from kvpolicy.cli import main
 from kvpolicy.errors import KVPolicyError
-from kvpolicy.policy import ModelPolicy, build_policy, load_spec
+from kvpolicy.passes.facts import Contracted, LayerFacts, RopeFacts, RopeStyle, TensorFacts
+from kvpolicy.policies import ModelPolicy, build_policy, load_spec
 
 
 def _facts(n: int = 3) -> list[LayerFacts]:

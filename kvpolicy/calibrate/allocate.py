@@ -27,7 +27,7 @@ from fractions import Fraction
 from typing import TypeVar
 
 from ..errors import PolicyError
-from ..policy import FULL_PRECISION, stored_bits
+from ..policies import FULL_PRECISION, stored_bits
 
 __all__ = ["allocate", "allocate_stored", "solve", "stored_bits"]
 

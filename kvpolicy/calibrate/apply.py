@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import AnalysisError, KVPolicyError, PolicyError
-from ..policy import Calibration, ModelPolicy, PolicySpec, TensorPolicy, stored_bits
+from ..policies import Calibration, ModelPolicy, PolicySpec, TensorPolicy, stored_bits
 from . import budget as measure
 from . import channels
 from .allocate import allocate, allocate_stored

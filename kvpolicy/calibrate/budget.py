@@ -71,7 +71,7 @@ from ..kernels import reference
 from ..kernels.layout import NORMAL_LEVELS, QuantSpec
 from ..kernels.masks import causal_mask
 from ..kernels.rotation import rotation_matrix
-from ..policy import (
+from ..policies import (
     BUDGET_WIDTHS,
     Calibration,
     LayerSensitivity,
@@ -513,7 +513,7 @@ def calibrate(
             the plain relative output error.
 
     Returns:
-        A :class:`~kvpolicy.policy.Calibration`; deterministic for the same input.
+        A :class:`~kvpolicy.policies.Calibration`; deterministic for the same input.
     """
     start = time.perf_counter()
     if input_ids is None:

@@ -37,11 +37,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..analysis.analyse import analyse_model
-from ..analysis.facts import RopeFacts, RopeStyle
 from ..errors import AnalysisError, KVPolicyError
 from ..kernels import reference
 from ..kernels.layout import RotarySpec
+from ..passes.analyse import analyse_model
+from ..passes.facts import RopeFacts, RopeStyle
 from ..state import compiled_of
 
 __all__ = [

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.layout import CHANNEL_WIDTHS
-from ..policy import TensorPolicy
+from ..policies import TensorPolicy
 from .capture import LayerActivations
 
 __all__ = ["channel_costs", "allocate_widths", "widths_for", "spreads", "places_widths",

@@ -37,7 +37,7 @@ from ..errors import KVPolicyError
 from ..kernels import reference
 from ..kernels.layout import QuantSpec
 from ..kernels.masks import causal_mask
-from ..policy import ModelPolicy
+from ..policies import ModelPolicy
 from .capture import LayerActivations
 
 __all__ = [

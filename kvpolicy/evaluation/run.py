@@ -32,12 +32,12 @@ from typing import Any
 import torch
 
 from .. import zoo
-from ..analysis.analyse import analyse_model
 from ..api import compile_model, derive_policy
 from ..api import inspect as inspect_policy
 from ..calibrate import budget
 from ..errors import KVPolicyError
-from ..policy import (
+from ..passes.analyse import analyse_model
+from ..policies import (
     BUDGET_WIDTHS,
     Defaults,
     build_policy,
@@ -46,7 +46,7 @@ from ..policy import (
     metadata_at,
     packed_bytes_per_element,
 )
-from ..policy.rules import META8_WIDTHS, meta8_rotates_values
+from ..policies.rules import META8_WIDTHS, meta8_rotates_values
 from ..zoo import text
 from ..zoo.tiny import tiny_model
 from .axis_study import consumed_study

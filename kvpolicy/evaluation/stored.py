@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..api import derive_policy
-from ..policy import load_spec
+from ..policies import load_spec
 
 __all__ = ["STORED_BUDGETS", "QUICK_STORED_GROUPS", "stored_name", "stored_specs",
            "stored_calibration"]

@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import CacheError, KVPolicyError
 from ..kernels.layout import RotarySpec
-from ..policy import ModelPolicy
+from ..policies import ModelPolicy
 from ..state import compiled_of
 from .layer import PackedKVLayer
 from .positions import TokenPositions

@@ -33,10 +33,10 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from ..analysis.analyse import ModelAnalysis
-from ..analysis.trace import is_cache_object
 from ..errors import KVPolicyError
-from ..policy import ModelPolicy
+from ..passes.analyse import ModelAnalysis
+from ..passes.trace import is_cache_object
+from ..policies import ModelPolicy
 from ..state import state_of
 from .attend import CURRENT, AttendContext, KVAttend
 from .cache import KVPolicyCache

@@ -31,7 +31,7 @@ import torch
 from ..api import derive_policy
 from ..errors import KVPolicyError, PolicyError
 from ..kernels.layout import QuantSpec, RotarySpec
-from ..policy import ModelPolicy
+from ..policies import ModelPolicy
 from ..runtime.cache import storage_dtype
 from ..runtime.paged import PagedLayout
 from ..zoo.models import cache_dir

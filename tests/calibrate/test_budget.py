@@ -16,7 +16,7 @@ from kvpolicy.calibrate.metrics import expand_heads, relative_error
 from kvpolicy.errors import KVPolicyError, PolicyError
 from kvpolicy.kernels.layout import QuantSpec
 from kvpolicy.kernels.masks import causal_mask
-from kvpolicy.policy import BUDGET_WIDTHS, is_budget, load_spec
+from kvpolicy.policies import BUDGET_WIDTHS, is_budget, load_spec
 from kvpolicy.runtime.layer import PackedKVLayer
 from kvpolicy.zoo.tiny import tiny_model
 

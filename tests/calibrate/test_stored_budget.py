@@ -15,7 +15,7 @@ import kvpolicy
 from kvpolicy.calibrate import allocate_stored, apply_budget, budget
 from kvpolicy.calibrate.capture import capture_activations
 from kvpolicy.errors import PolicyError
-from kvpolicy.policy import BUDGET_WIDTHS, load_spec, stored_bits
+from kvpolicy.policies import BUDGET_WIDTHS, load_spec, stored_bits
 from kvpolicy.zoo.tiny import tiny_model
 
 # Windows small enough for 160 calibration tokens to pack a chunk of 128 (the largest

@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 import kvpolicy
 from kvpolicy.kernels import reference
 from kvpolicy.kernels.layout import QuantSpec
-from kvpolicy.policy import levels_at
+from kvpolicy.policies import levels_at
 from kvpolicy.zoo.tiny import tiny_model
 
 BITS, RESIDUAL, SINKS = 2, 8, 2

@@ -9,8 +9,8 @@ import torch
 
 import kvpolicy
 from kvpolicy import PolicyError
-from kvpolicy.analysis.analyse import analyse_model
-from kvpolicy.analysis.facts import RopeStyle
+from kvpolicy.passes.analyse import analyse_model
+from kvpolicy.passes.facts import RopeStyle
 from kvpolicy.zoo.tiny import tiny_model
 
 

@@ -1,6 +1,6 @@
 """Derivation: ``build_policy(facts, spec)`` turns the analysis facts into a ``ModelPolicy``.
 
-Each tensor's policy is derived from the facts of ``kvpolicy.analysis`` (docs/design.md
+Each tensor's policy is derived from the facts of ``kvpolicy.passes`` (docs/design.md
 §1–§2), then the overrides apply in order. A value that differs from what was derived is
 kept, marked ``overridden`` and explained in the tensor's reason. Nothing falls back
 silently: the one fallback, a smaller per-token group where the built-in group size does
@@ -15,9 +15,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..analysis.facts import Contracted, LayerFacts, TensorFacts
 from ..errors import PolicyError
 from ..kernels.layout import FIT_STEPS
+from ..passes.facts import Contracted, LayerFacts, TensorFacts
 from .messages import show
 from .rules import (
     BUDGET_WIDTHS,

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from kvpolicy.analysis.facts import Contracted, LayerFacts, RopeFacts, RopeStyle, TensorFacts
 from kvpolicy.errors import PolicyError
-from kvpolicy.policy import ModelPolicy, build_policy, load_spec
+from kvpolicy.passes.facts import Contracted, LayerFacts, RopeFacts, RopeStyle, TensorFacts
+from kvpolicy.policies import ModelPolicy, build_policy, load_spec
 
 # --------------------------------------------------------------------------- factories
 

@@ -1,7 +1,7 @@
 """Facts the graph analysis establishes about each cached tensor.
 
-These records are the contract between *analyse* (``kvpolicy.analysis``) and *derive*
-(``kvpolicy.policy``), docs/design.md §4: the analysis returns them (``LayerFacts`` per
+These records are the contract between *analyse* (``kvpolicy.passes``) and *derive*
+(``kvpolicy.policies``), docs/design.md §4: the analysis returns them (``LayerFacts`` per
 layer, in ``ModelAnalysis.layers``), the policy derivation reads them, and derivation never
 looks at the graph. They are plain frozen dataclasses, shared by every layer of one kind.
 (The graph-bound match records the rewrite reads live in ``node.meta``; see

@@ -1,4 +1,4 @@
-"""Deriving a policy from synthetic facts (kvpolicy/policy/derive.py), and the errors
+"""Deriving a policy from synthetic facts (kvpolicy/policies/derive.py), and the errors
 build_policy raises and blames on a rule."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from policy_factories import (
     value_facts,
 )
 
-from kvpolicy.analysis.facts import Contracted, RopeStyle
 from kvpolicy.errors import PolicyError
-from kvpolicy.policy import (
+from kvpolicy.passes.facts import Contracted, RopeStyle
+from kvpolicy.policies import (
     Axis,
     Defaults,
     PolicySpec,

@@ -11,7 +11,8 @@ from one_block import OneBlockLM
 from torch import fx, nn
 
 import kvpolicy
-from kvpolicy.analysis.analyse import (
+from kvpolicy.errors import KVPolicyError
+from kvpolicy.passes.analyse import (
     CONSUMER_META,
     KEY_META,
     ROPE_META,
@@ -19,9 +20,8 @@ from kvpolicy.analysis.analyse import (
     BlockAnalysis,
     analyse_model,
 )
-from kvpolicy.analysis.fx_graph import fx_digraph, is_symbolic, op_name, shape_of
-from kvpolicy.errors import KVPolicyError
-from kvpolicy.rewrite import RewriteResult, rewrite_block
+from kvpolicy.passes.fx_graph import fx_digraph, is_symbolic, op_name, shape_of
+from kvpolicy.passes.rewrite import RewriteResult, rewrite_block
 from kvpolicy.zoo.tiny import GptFast, NanoGPT, tiny_model
 
 ATTEND = "kvpolicy_attend"

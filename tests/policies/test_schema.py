@@ -1,4 +1,4 @@
-"""The policy schema (kvpolicy/policy/schema.py): round trips and loading a ModelPolicy."""
+"""The policy schema (kvpolicy/policies/schema.py): round trips and loading a ModelPolicy."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import yaml
 from policy_factories import build, layer_facts, write
 
 from kvpolicy.errors import PolicyError
-from kvpolicy.policy import ModelPolicy, PolicySpec, TensorPolicy
+from kvpolicy.policies import ModelPolicy, PolicySpec, TensorPolicy
 
 # --------------------------------------------------------------------------- round trips
 

@@ -6,7 +6,7 @@ import torch
 from policy_factories import build, raises
 
 import kvpolicy
-from kvpolicy.policy import levels_at
+from kvpolicy.policies import levels_at
 from kvpolicy.zoo.tiny import tiny_model
 
 

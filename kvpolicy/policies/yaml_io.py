@@ -1,6 +1,6 @@
 """Reading policy documents: the shipped presets, files, and strict YAML parsing.
 
-The presets are YAML files in ``kvpolicy/policy/presets/``; they are listed here rather
+The presets are YAML files in ``kvpolicy/policies/``; they are listed here rather
 than in ``load.py`` because a missing file's message offers the closest preset name, and
 ``ModelPolicy.from_yaml`` (schema.py, which ``load.py`` builds on) reads files too.
 YAML is parsed by a SafeLoader that refuses duplicate keys, and a parse error quotes the
@@ -21,11 +21,11 @@ from ..errors import PolicyError
 
 def presets_dir():
     """The folder of the shipped presets (a ``Traversable``)."""
-    return resources.files("kvpolicy.policy").joinpath("presets")
+    return resources.files("kvpolicy.policies")
 
 
 def list_presets() -> tuple[str, ...]:
-    """Names of the presets shipped in ``kvpolicy/policy/presets/``."""
+    """Names of the presets shipped in ``kvpolicy/policies/``."""
     return tuple(
         sorted(
             p.name[: -len(".yaml")] for p in presets_dir().iterdir() if p.name.endswith(".yaml")

@@ -23,10 +23,12 @@ import networkx as nx
 import torch
 from torch import fx
 
-from .analysis.analyse import CONSUMER_META, KEY_META, ROPE_META, VALUE_META
-from .analysis.contraction import CachePoint, Consumer
-from .analysis.facts import RopeStyle
-from .analysis.fx_graph import (
+from ..errors import AnalysisError, KVPolicyError
+from ..runtime.attend import KVAttend, Layout, PosLayout
+from .analyse import CONSUMER_META, KEY_META, ROPE_META, VALUE_META
+from .contraction import CachePoint, Consumer
+from .facts import RopeStyle
+from .fx_graph import (
     fx_digraph,
     is_symbolic,
     is_tensor,
@@ -35,9 +37,7 @@ from .analysis.fx_graph import (
     shape_of,
     sym_expr,
 )
-from .analysis.rope import RopeMatch
-from .errors import AnalysisError, KVPolicyError
-from .runtime.attend import KVAttend, Layout, PosLayout
+from .rope import RopeMatch
 
 __all__ = ["RewriteResult", "rewrite_block", "rw_keep"]
 
@@ -189,7 +189,7 @@ def _recorded(graph: fx.Graph, key: str, required: bool = True):
         if required:
             raise KVPolicyError(
                 f"no node of the graph carries node.meta[{key!r}]: run "
-                "kvpolicy.analysis.analyse.analyse_block on the exported block first, and "
+                "kvpolicy.passes.analyse.analyse_block on the exported block first, and "
                 "rewrite a copy of its graph taken afterwards (ExportedProgram.module())"
             )
         return None, None

@@ -12,7 +12,7 @@ from one_block import OneBlockLM
 from torch import nn
 
 from kvpolicy import AnalysisError, analyse_model, derive_policy
-from kvpolicy.analysis.facts import Contracted, RopeStyle
+from kvpolicy.passes.facts import Contracted, RopeStyle
 from kvpolicy.zoo.tiny import TINY_ARCHITECTURES, GptFast, NanoGPT, tiny_model
 
 # What each architecture's key path holds. Derived from the architectures' papers and
@@ -35,7 +35,7 @@ EXPECTED_ROPE = {
     "gpt_bigcode": (None, None, False),
     "codegen": (RopeStyle.INTERLEAVED, 16, False),  # GPT-J pairs on rotary_dim 16
     "gemma2": (RopeStyle.ROTATE_HALF, 32, False),
-    # channels 16-31 of a key assembled in place (tests/analysis/test_mla.py)
+    # channels 16-31 of a key assembled in place (tests/passes/test_mla.py)
     "deepseek_v3": (RopeStyle.INTERLEAVED, 16, False),
 }
 

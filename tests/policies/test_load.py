@@ -1,4 +1,4 @@
-"""Loading a spec (kvpolicy/policy/load.py): presets, files, dicts, and every error of
+"""Loading a spec (kvpolicy/policies/load.py): presets, files, dicts, and every error of
 reading them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import yaml
 from policy_factories import build, raises, write
 
 from kvpolicy.errors import PolicyError
-from kvpolicy.policy import Axis, Defaults, list_presets, load_spec
+from kvpolicy.policies import Axis, Defaults, list_presets, load_spec
 
 # --------------------------------------------------------------------------- presets
 

@@ -1,4 +1,4 @@
-"""The spec models (kvpolicy/policy/spec.py): every field error, as load_spec reports it."""
+"""The spec models (kvpolicy/policies/spec.py): every field error, as load_spec reports it."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ Three layers, each a frozen pydantic v2 model:
     What a user asks for: a preset name, a YAML file or a dict, loaded by ``load_spec``
     (load.py).
 ``build_policy(facts, spec)`` (derive.py)
-    Derives each tensor's policy from the facts of ``kvpolicy.analysis`` (docs/design.md
+    Derives each tensor's policy from the facts of ``kvpolicy.passes`` (docs/design.md
     §1–§2), then applies the overrides in order.
 
 The modules, each importing only those before it: rules.py (widths, defaults, axes and

@@ -4,8 +4,8 @@ import sympy
 import torch
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from kvpolicy.analysis.contraction import _reshape_map
-from kvpolicy.analysis.fx_graph import is_symbolic
+from kvpolicy.passes.contraction import _reshape_map
+from kvpolicy.passes.fx_graph import is_symbolic
 
 
 def _sym(env: ShapeEnv, name: str, hint: int) -> torch.SymInt:

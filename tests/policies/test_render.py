@@ -1,4 +1,4 @@
-"""The policy table (kvpolicy/policy/render.py)."""
+"""The policy table (kvpolicy/policies/render.py)."""
 
 from __future__ import annotations
 
