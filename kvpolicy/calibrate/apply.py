@@ -383,7 +383,12 @@ def channel_text(model: nn.Module, source: torch.Tensor | None = None, tokenizer
     except KVPolicyError as e:
         if written:
             raise
-        log.info("channel widths stay uniform: %s", e)
+        # No silent downgrade: the default spreads the keys' widths over their channels,
+        # and one width for all of them loses retrieval (docs/results.md, per-channel key
+        # widths). Said once per derivation, with what was done and how to get the default.
+        log.warning(
+            "kvpolicy derived one width for every key channel instead of the default "
+            "per-channel widths, which costs retrieval at 2-3 bits: %s", e)
         return None
 
 

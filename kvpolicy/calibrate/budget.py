@@ -109,8 +109,9 @@ CALIBRATION_ROWS = 4
 
 
 def _find_tokenizer(model: nn.Module):
-    """The tokenizer saved beside the model's weights (``config._name_or_path``, a folder,
-    or a hub name already in the local cache: nothing is downloaded), or None."""
+    """The tokenizer saved beside the model's weights (``config._name_or_path``: a folder
+    with the tokenizer's files or a single GGUF file, or a hub name already in the local
+    cache: nothing is downloaded), or None."""
     path = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
     if path and not Path(path).is_dir() and "/" in path and not path.startswith((".", "/")):
         from transformers import AutoTokenizer
@@ -121,11 +122,16 @@ def _find_tokenizer(model: nn.Module):
             return None
     if not path or not Path(path).is_dir():
         return None
-    if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    if any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(path)
+    # A model loaded with from_pretrained(folder, gguf_file=name) keeps only the folder: its
+    # tokenizer is in the GGUF file, found when the folder holds exactly one.
+    ggufs = sorted(Path(path).glob("*.gguf"))
+    if len(ggufs) == 1:
+        return AutoTokenizer.from_pretrained(path, gguf_file=ggufs[0].name)
+    return None
 
 
 def calibration_ids(

@@ -3,10 +3,14 @@ that records it and the cache that runs it."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 import kvpolicy
+from kvpolicy import zoo
+from kvpolicy.calibrate.budget import calibration_ids
 from kvpolicy.calibrate.capture import LayerActivations
 from kvpolicy.calibrate.channels import _pairs, allocate_widths, channel_costs
 from kvpolicy.errors import KVPolicyError, PolicyError
@@ -147,12 +151,45 @@ def test_compiled_cache_runs_the_widths(ids):
     assert agree > 0.8
 
 
-def test_default_without_calibration_text_keeps_one_width():
-    # The tiny model has no tokenizer beside it: kvpolicy's default cannot measure, says so.
-    pol = kvpolicy.derive_policy(_planted_model(), progress=False)
+def test_default_without_calibration_text_keeps_one_width_and_says_so(caplog):
+    # The tiny model has no tokenizer beside it: kvpolicy's default cannot measure. It
+    # says so once, naming what it did instead and how to get the default.
+    with caplog.at_level(logging.WARNING, logger="kvpolicy"):
+        pol = kvpolicy.derive_policy(_planted_model(), progress=False)
     key = pol.get(0, "key")
     assert key.channel_widths == "uniform" and key.widths == ()
     assert "one width for every channel: no calibration text" in key.reason
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 1, said
+    assert "one width for every key channel instead" in said[0]
+    assert "calibration=<a tokenizer>" in said[0]
+
+
+def test_a_model_loaded_from_a_folder_without_tokenizer_is_told(tmp_path, caplog):
+    from transformers import AutoModelForCausalLM
+
+    _planted_model().save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="kvpolicy"):
+        kvpolicy.compile_model(model, bits=2, progress=False)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 1 and "has no tokenizer saved at config._name_or_path" in said[0]
+
+
+def test_a_gguf_model_finds_the_tokenizer_in_its_file(caplog):
+    # from_pretrained(folder, gguf_file=name) keeps only the folder; the tokenizer is in the
+    # GGUF file there, so the default's calibration text is found and nothing is said.
+    from transformers import AutoModelForCausalLM
+
+    gguf = zoo.gguf_path("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    ids, where = calibration_ids(model)
+    _, tok = zoo.load("smollm2-135m")
+    assert torch.equal(ids, calibration_ids(model, tokenizer=tok)[0]) and "pydoc" in where
+    with caplog.at_level(logging.WARNING, logger="kvpolicy"):
+        pol = kvpolicy.derive_policy(model, bits=2, progress=False)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert pol.get(0, "key").widths  # per-channel widths, measured
 
 
 def test_default_with_calibration_ids_places_widths(ids):
