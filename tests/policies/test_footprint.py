@@ -1,0 +1,69 @@
+"""Whole-cache accounting (kvpolicy/policies/footprint.py) against what a compiled cache
+actually holds (``memory_report()``), global and sliding-window layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvpolicy
+from kvpolicy.passes.config import sliding_windows
+from kvpolicy.policies.footprint import held_tokens, whole_cache
+from kvpolicy.zoo.tiny import tiny_model
+
+
+def test_held_tokens_follows_the_packing_schedule():
+    # 4 sinks, residual 16, chunks of 32: a chunk packs once the residual holds 48.
+    h = held_tokens(51, 4, 16, 32)
+    assert (h.sinks, h.packed, h.residual) == (4, 0, 47)
+    h = held_tokens(52, 4, 16, 32)
+    assert (h.sinks, h.packed, h.residual) == (4, 32, 16)
+    assert held_tokens(3, 4, 16, 32).total == 3
+
+
+def test_a_window_drops_sinks_then_whole_chunks():
+    h = held_tokens(1000, 4, 16, 32, window=100)
+    # The next query reaches the last 99 tokens; chunks reaching into them stay whole.
+    assert h.sinks == 0 and h.residual >= 16
+    assert 99 <= h.total < 99 + 32
+    assert h.packed % 32 == 0
+
+
+def _run(model, tokens: int):
+    ids = torch.randint(3, 120, (1, tokens), generator=torch.Generator().manual_seed(0))
+    cache = None
+    with torch.no_grad():
+        out = model(ids[:, : tokens - 40], use_cache=True)
+        cache = out.past_key_values
+        for i in range(tokens - 40, tokens):  # decode steps, which evict in local layers
+            cache = model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).past_key_values
+    return cache.memory_report()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_whole_cache_agrees_with_what_the_cache_holds(arch):
+    model = tiny_model(arch, max_position_embeddings=512)
+    spec = {"defaults": {"bits": 2, "residual": 32, "sinks": 4}}
+    kvpolicy.compile_model(model, policy=spec, progress=False)
+    policy = kvpolicy.inspect(model)
+    n_layers = len(policy.tensors) // 2
+    local = sliding_windows(model, n_layers)
+    windows = [local.get(i) for i in range(n_layers)]
+    tokens = 300
+    report = _run(model, tokens)
+    held = report["bytes"] - report["position_bytes"] - report["rope_bytes"]
+    fp = whole_cache(policy, tokens, windows)
+    assert fp.bytes == pytest.approx(held, rel=0.02)
+    assert fp.fp16_bytes == report["fp16_bytes"]
+    if arch == "gemma3_text":  # local layers hold about a window: less compressed
+        assert any(windows) and fp.compression < whole_cache(policy, tokens).compression
+    # The packed body alone is what avg_stored_bits prices; the whole cache costs more.
+    assert fp.body_bits == pytest.approx(policy.avg_stored_bits(), rel=1e-6)
+    assert fp.bits > fp.body_bits
+
+
+def test_windows_must_name_every_layer():
+    model = tiny_model("llama")
+    policy = kvpolicy.derive_policy(model, bits=2, progress=False)
+    with pytest.raises(ValueError, match="windows names 1 layers"):
+        whole_cache(policy, 100, [None])
