@@ -1,8 +1,8 @@
 """What per-channel key widths could buy: an emulation study on SmolLM2's retrieval check.
 
 At 2 bits the retrieval check (a pydoc passage, then the same passage, scored on the
-second copy) loses a fifth of fp's top-1, and the keys lose it (README, "The split toward
-the keys"). A key enters attention as ``q · k``: the error of channel ``c`` costs about
+second copy) loses a fifth of fp's top-1, and the keys lose it (docs/results.md, "The split
+toward the keys"). A key enters attention as ``q · k``: the error of channel ``c`` costs about
 ``E[q_c²] · step_c²``, and ``step_c`` is the channel's range over its group divided by
 ``2^b - 1``. Channels differ in both factors by orders of magnitude, so one width for
 every channel spends bits where the query never looks. This script measures what giving

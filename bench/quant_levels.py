@@ -17,8 +17,8 @@ Prints the relative error ``‖x̂ - x‖ / ‖x‖`` averaged over the 30 layer
 quantizer's error as a ratio of uniform's. The Lloyd-Max quantizer here is what
 ``levels: normal`` stores (kvpolicy.kernels.layout). Per-element error is not what
 attention consumes: it scores normal levels alike for keys and values (0.87x at 2 bits),
-but end to end they help keys and hurt values (README, "Levels"), which is why
-``levels: auto`` is decided per axis and, under a budget, by the calibration's cost.
+but end to end they hurt values and are mixed for keys (docs/results.md, "Levels"), which
+is why ``levels: auto`` is decided per axis and, under a budget, by the calibration's cost.
 """
 
 from __future__ import annotations

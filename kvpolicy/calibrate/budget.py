@@ -20,7 +20,7 @@ average code bits per cached element over all layers and both tensors. Three ste
     2-bit values as worse than 2-bit keys on many early layers, yet moving bits from values
     to keys there lowers perplexity; the value noise lands in directions the rest of the
     model barely reads. Weighted by the loss gradient, the same budget scores a lower
-    perplexity (README, "Bit budgets", has the measurement).
+    perplexity (docs/results.md, "An earlier release", has the measurement).
 ``allocate(errors, sizes, budget)`` (:mod:`kvpolicy.calibrate.allocate`)
     Exact minimum of the summed error subject to the budget: a multiple-choice knapsack
     solved by dynamic programming over the budget in units of the smallest tensor size.
@@ -64,7 +64,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..errors import KVPolicyError
 from ..kernels import reference
@@ -78,6 +77,7 @@ from ..policies import (
     ModelPolicy,
     TensorPolicy,
 )
+from ..progress import progress_bar
 from ..zoo.text import pydoc_tokens
 from .allocate import allocate
 from .capture import LayerActivations, capture_activations
@@ -100,8 +100,9 @@ log = logging.getLogger(__name__)
 
 CALIBRATION_TOKENS = 512
 # Rows of CALIBRATION_TOKENS in a budget's default text (the last 2,048 pydoc tokens): more
-# text, less noise in the costs the allocator trusts (README, "Bit budgets"). Measured a row
-# at a time (the loss-weighted errors add over rows): memory is one row's.
+# text, less noise in the costs the allocator trusts (docs/results.md, "Bit budgets:
+# calibration"). Measured a row at a time (the loss-weighted errors add over rows): memory
+# is one row's.
 CALIBRATION_ROWS = 4
 
 
@@ -548,8 +549,8 @@ def calibrate(
     # the whole batch.
     parts = input_ids.split(1) if metric == "fisher" else (input_ids,)
     summed: dict[int, GroupErrors] = {}
-    bar = tqdm(total=len(parts) * policy.num_layers, desc="calibrating",
-               unit="layer", disable=not progress)
+    bar = progress_bar(len(parts) * policy.num_layers, desc="calibrating", unit="layer",
+                       enabled=progress)
     for part in parts:
         for act in capture_activations(model, part.to(device), loss_grad=metric == "fisher"):
             kp, vp = policy.get(act.layer, "key"), policy.get(act.layer, "value")

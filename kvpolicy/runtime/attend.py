@@ -5,7 +5,7 @@
 the block produced them, brings K and V to ``[B, Hkv, T, D]``, hands the cos/sin the block
 multiplied the key with to the cache's RoPE table, appends to the layer and attends (a
 call of several tokens attends first, over the cache as it stands and its own tokens in
-full precision, then appends; README, the prefill paragraph). The
+full precision, then appends; docs/concepts.md, Prefill and chunked prefill). The
 layer and cache to use come from ``CURRENT``, set by the installed block forward
 (``runtime.install``) around each call, or, under ``torch.compile``, from the cache the
 model's forward bound for the whole call and the layer index the block's graph passes.

@@ -68,7 +68,7 @@ def segments(
         length: tokens per segment.
         n: number of segments (ignored when ``starts`` is given).
         starts: token offsets of the segments; default ``0, stride, 2*stride, ...``
-            (the README's reference figures: 4 segments of 1024 tokens, starting at 0,
+            (the reference figures of docs/results.md: 4 segments of 1024 tokens, starting at 0,
             1024, 2048, 3072).
         stride: distance between default starts.
         source: a text to cut them from instead of the pydoc text (``read_text``).
