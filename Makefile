@@ -1,17 +1,19 @@
-# Two commands, both self-contained on a fresh machine with Python 3.11 and make:
+# Three commands, each self-contained on a fresh machine with Python 3.11 and make:
 #   make demo   - create .venv, install everything, run the demo
 #   make test   - create .venv, install everything, run the whole suite
+#   make docs   - also install the docs extra, build the site into build/site (strict)
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvpolicy-installed
+DSTAMP := $(VENV)/.kvpolicy-docs-installed
 # The vLLM plugin's tests run the real vLLM CPU engine, which pins an older transformers
 # than the main suite: it gets a venv of its own.
 VVENV  := .venv-vllm
 VPY    := $(VVENV)/bin/python
 VSTAMP := $(VVENV)/.kvpolicy-installed
 
-.PHONY: demo test test-vllm lint install install-vllm clean bench bench-vllm
+.PHONY: demo test test-vllm lint install install-vllm clean bench bench-vllm docs
 
 install: $(STAMP)
 
@@ -62,6 +64,16 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/cache_memory.py
 	$(PY) bench/cpu_attention.py
+
+# The reference pages (docs/reference/policy-file.md, cli.md) are generated and committed:
+# regenerate them with `$(PY) docs/gen_reference.py`; tests/test_docs.py fails when stale.
+$(DSTAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[docs]"
+	@touch $(DSTAMP)
+
+# NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2.0, printed on every build.
+docs: $(DSTAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 bench-vllm: $(VSTAMP)
 	$(VPY) bench/vllm_serving.py

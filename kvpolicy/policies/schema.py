@@ -33,6 +33,7 @@ from pydantic_core import PydanticCustomError
 
 from ..errors import CacheError, PolicyError
 from ..kernels.layout import NORMAL_LEVELS, QuantSpec
+from .field_docs import documented
 from .messages import translate
 from .render import ranges, render_table
 from .rules import (
@@ -54,6 +55,7 @@ from .yaml_io import parse_yaml, text_or_file
 # --------------------------------------------------------------------------- calibration
 
 
+@documented
 class LayerSensitivity(Frozen):
     """Measured consumed error of one layer's key and value at each candidate width.
 
@@ -92,6 +94,7 @@ GROUP_TABLES = ("key_groups", "value_groups", "value_rotated_groups", "key_norma
                 "value_normal_groups", "key_meta8_groups", "value_meta8_groups")
 
 
+@documented
 class Calibration(Frozen):
     """The sensitivity table a bit budget is allocated from
     (``kvpolicy.calibrate.budget.calibrate``).
@@ -185,6 +188,7 @@ class Calibration(Frozen):
 # --------------------------------------------------------------------------- result
 
 
+@documented
 class TensorPolicy(Frozen):
     """How one cached tensor (key or value) of one attention layer is quantized."""
 
@@ -397,6 +401,7 @@ class TensorPolicy(Frozen):
         return stored_bits(self.bits, self.group_size, 8 * self.meta_bytes(scale_bytes))
 
 
+@documented
 class ModelPolicy(Frozen):
     """The policy of every cached tensor of a model, in layer order (key, then value)."""
 
@@ -526,12 +531,14 @@ class ModelPolicy(Frozen):
         return render_table(self)
 
     def to_yaml(self) -> str:
+        """This policy as YAML (``from_yaml`` reads it back)."""
         # A very wide line width keeps each reason on one line.
         return yaml.safe_dump(
             self.model_dump(mode="json"), sort_keys=False, allow_unicode=True, width=1 << 16
         )
 
     def to_json(self, indent: int | None = 2) -> str:
+        """This policy as JSON (``from_json`` reads it back)."""
         return self.model_dump_json(indent=indent)
 
     @classmethod

@@ -23,6 +23,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from .field_docs import documented
 from .render import ranges
 from .rules import (
     KVPOLICY_DEFAULTS,
@@ -97,6 +98,7 @@ def _normalize_selector(value: Any) -> int | str | tuple[int | str, ...]:
     raise _layers_error(f"got a {type(value).__name__}")
 
 
+@documented
 class Defaults(Frozen):
     """Settings for every tensor before the overrides; the derived axis unless ``axis``.
 
@@ -204,6 +206,7 @@ def _show_group(value: Any) -> str:
     return value if isinstance(value, str) else str(list(value))
 
 
+@documented
 class OverrideRule(Frozen):
     """One override: which layers and tensors, and the fields it sets (None: not set)."""
 
@@ -292,6 +295,7 @@ def _describe_layers(layer_ids: Sequence[int]) -> str:
     return f"the model has {n} attention layers ({ranges(layer_ids)})"
 
 
+@documented
 class PolicySpec(Frozen):
     """A user's policy request: defaults for every tensor plus ordered override rules, and
     for a bit budget optionally the measured sensitivity to allocate it from."""

@@ -112,6 +112,10 @@ class KVPolicyCache(Cache):
     build one explicitly with ``KVPolicyCache.for_model(model)``.
 
     Args:
+        policy: the compiled model's policy (``kvpolicy.inspect(model)``).
+        backend: ``"torch"``, ``"triton"`` or ``"auto"`` (triton for CUDA tensors).
+        model_dtype: the model's dtype (``storage_dtype``: a quantized layer of an fp32
+            model keeps its full-precision tokens, scales and zeros in fp16).
         windows: attention layer -> sliding window of the layers the model marks as local
             (``analysis.config.sliding_windows``); those layers evict what leaves the window.
     """
@@ -133,6 +137,7 @@ class KVPolicyCache(Cache):
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> KVPolicyCache:
+        """A new, empty cache for ``model``, compiled by ``kvpolicy.compile_model``."""
         compiled = compiled_of(model)
         if compiled is None:
             raise KVPolicyError(
