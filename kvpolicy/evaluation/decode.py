@@ -18,9 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
-__all__ = ["DecodeResult", "NextTokenReference", "decode_perplexity", "cache_keyword"]
+from ..progress import progress_bar
+
+__all__ = [
+    "DecodeResult", "NextTokenReference", "decode_perplexity", "cache_keyword", "output_cache",
+]
 
 
 @dataclass
@@ -156,14 +159,14 @@ def decode_perplexity(
     kl = 0.0
     row = 0
     cache = None
-    bar = tqdm(total=len(groups) * steps, desc=desc, disable=not progress, unit="step")
+    bar = progress_bar(len(groups) * steps, desc=desc, unit="step", enabled=progress)
     with torch.no_grad():
         for ids in groups:
             rows = slice(row, row + ids.shape[0])
             row += ids.shape[0]
             first = {} if make_cache is None else {cache_kw: make_cache()}
             out = model(ids[:, :context], use_cache=True, **first)
-            cache, logits = out.past_key_values, out.logits[:, -1]
+            cache, logits = output_cache(out), out.logits[:, -1]
             if reference is not None and rows.start == 0:
                 shape = (segments.shape[0], steps, logits.shape[-1])
                 if record:
@@ -185,7 +188,7 @@ def decode_perplexity(
                 out = model(ids[:, context + i : context + i + 1], use_cache=True,
                             **{cache_kw: cache})
                 times.append(time.perf_counter() - t0)
-                cache, logits = out.past_key_values, out.logits[:, -1]
+                cache, logits = output_cache(out), out.logits[:, -1]
                 bar.update(1)
     bar.close()
     times.sort()
@@ -201,3 +204,14 @@ def cache_keyword(model: torch.nn.Module) -> str:
     """The keyword a model's forward takes its cache by (transformers 5.x: ``cache``)."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+_MISSING = object()
+
+
+def output_cache(output: object) -> object:
+    """The cache a forward's or ``generate``'s output carries: ``output.cache`` in
+    transformers 5.x, ``output.past_key_values`` before (5.x logs a deprecation warning
+    when the old name is read)."""
+    cache = getattr(output, "cache", _MISSING)
+    return output.past_key_values if cache is _MISSING else cache

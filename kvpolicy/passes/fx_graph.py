@@ -10,6 +10,7 @@ order (``in_graph_order``) wherever a caller takes the first of several candidat
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Callable, Iterable
 
@@ -22,6 +23,7 @@ from ..errors import AnalysisError
 
 __all__ = [
     "LAYOUT_OPS",
+    "copy_graph",
     "dominators",
     "fx_digraph",
     "in_graph_order",
@@ -73,6 +75,25 @@ def sym_expr(size) -> sympy.Expr:
 def is_symbolic(size) -> bool:
     """True when a size is a dynamic (symbolic) dimension, e.g. the sequence length."""
     return bool(sym_expr(size).free_symbols)
+
+
+def copy_graph(graph: fx.Graph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
+    """A copy of ``graph`` with new nodes, and the map from its nodes to theirs.
+
+    What ``copy.deepcopy(graph)`` makes, except that the codegen (an exported graph's
+    pytree in/out specs) is copied shallowly: the specs are frozen, so sharing them is safe,
+    and deep-copying them rebuilds each ``LeafSpec`` through its constructor, which torch
+    2.13 deprecates with a ``FutureWarning`` per copy (``Graph.__deepcopy__`` does that).
+    """
+    new = fx.Graph(tracer_cls=graph._tracer_cls)
+    env: dict[fx.Node, fx.Node] = {}
+    out = new.graph_copy(graph, env, return_output_node=True)
+    new._codegen = copy.copy(graph._codegen)
+    if out is not None:
+        value, old_output = out
+        new_output = new.output(value, type_expr=getattr(old_output, "type", None))
+        new_output.meta = copy.copy(old_output.meta)
+    return new, env
 
 
 # ---------------------------------------------------------------------------------------

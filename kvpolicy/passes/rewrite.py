@@ -14,7 +14,6 @@ runs ``graph.lint()`` after the rewrite.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from .analyse import CONSUMER_META, KEY_META, ROPE_META, VALUE_META
 from .contraction import CachePoint, Consumer
 from .facts import RopeStyle
 from .fx_graph import (
+    copy_graph,
     fx_digraph,
     is_symbolic,
     is_tensor,
@@ -296,11 +296,7 @@ def rewrite_block(
             "query ([batch, heads, tokens, dim]); kvpolicy cannot rewrite this consumer"
         )
 
-    new = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    out_val = new.graph_copy(graph, env)
-    new.output(out_val)
-    new._codegen = copy.deepcopy(graph._codegen)
+    new, env = copy_graph(graph)
 
     def m(n: fx.Node | None) -> fx.Node | None:  # a node of ``graph`` in the copy
         return None if n is None else env[n]

@@ -22,7 +22,6 @@ which looks the layer up in the bound cache. A decode step is then one graph.
 from __future__ import annotations
 
 import contextvars
-import copy
 import functools
 import inspect as _inspect
 import logging
@@ -35,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import KVPolicyError
 from ..passes.analyse import ModelAnalysis
+from ..passes.fx_graph import copy_graph
 from ..passes.trace import is_cache_object
 from ..policies import ModelPolicy
 from ..state import state_of
@@ -127,7 +127,7 @@ def layer_graph_module(kg: KindGraph, module: nn.Module, layer: int = -1) -> fx.
     for n in kg.graph.nodes:
         if n.op == "get_attr" and n.target.startswith("module."):
             root[n.target] = resolve_attr(w, n.target)
-    graph = copy.deepcopy(kg.graph)
+    graph, _ = copy_graph(kg.graph)
     if layer >= 0:
         for n in graph.nodes:
             if n.op == "call_module" and n.target == "kvpolicy_attend":

@@ -7,14 +7,22 @@ float model, which is slow; the converted weights and tokenizer are cached on di
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import ZooError
+from ..progress import interactive
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["MODELS", "load", "gguf_path", "cache_dir", "checkpoint"]
 
@@ -102,7 +110,9 @@ def checkpoint(name: str = "smollm2-135m") -> Path:
     return target
 
 
-def load(name: str = "smollm2-135m", *, dtype=None):
+def load(
+    name: str = "smollm2-135m", *, dtype: torch.dtype | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a zoo model and its tokenizer, converting and caching it on first use.
 
     Args:
@@ -115,7 +125,24 @@ def load(name: str = "smollm2-135m", *, dtype=None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = checkpoint(name)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype or torch.float32)
+    with _transformers_bars_on_a_terminal_only():
+        target = checkpoint(name)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype or torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(target)
     return model.eval(), tokenizer
+
+
+@contextlib.contextmanager
+def _transformers_bars_on_a_terminal_only() -> Iterator[None]:
+    """transformers draws its own "Loading weights" bar; where stderr is not a terminal
+    (kvpolicy.progress), turn its bars off for the load and back on after."""
+    from transformers.utils import logging as hf_logging
+
+    if interactive() or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import KVPolicyError
 
-__all__ = ["pydoc_text", "pydoc_tokens", "read_text", "segments"]
+__all__ = ["pydoc_text", "pydoc_tokens", "read_text", "segments", "topic_passage"]
 
 
 def pydoc_text() -> str:
@@ -22,6 +22,34 @@ def pydoc_text() -> str:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def topic_passage(tokenizer, topic: str, max_tokens: int) -> str:
+    """The opening of one pydoc help topic (``"string-methods"``): as many whole paragraphs
+    as fit in ``max_tokens`` tokens, and at least the first.
+
+    Raises:
+        KVPolicyError: there is no such topic.
+    """
+    from pydoc_data.topics import topics
+
+    if topic not in topics:
+        raise KVPolicyError(
+            f"no pydoc help topic {topic!r}; the topics are: {', '.join(sorted(topics))}"
+        )
+    paragraphs = topics[topic].split("\n\n")
+
+    def fits(n: int) -> bool:
+        body = "\n\n".join(paragraphs[:n])
+        ids = tokenizer(body, add_special_tokens=False, return_attention_mask=False)
+        return len(ids["input_ids"]) <= max_tokens
+
+    # Tokens grow with the paragraphs taken: bisect for the most that fit.
+    lo, hi = 1, len(paragraphs)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return "\n\n".join(paragraphs[:lo])
 
 
 def read_text(path: str | Path) -> str:

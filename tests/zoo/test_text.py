@@ -57,3 +57,33 @@ def test_segments_of_a_given_text(smollm2, tmp_path):
     assert not torch.equal(segs[0], data.segments(tokenizer, 32, 1)[0])
     with pytest.raises(ValueError, match="tokens of the given text"):
         data.segments(tokenizer, 10**6, 1, source=source)
+
+
+class _Words:
+    """A tokenizer with one token per whitespace-separated word."""
+
+    def __call__(self, body: str, add_special_tokens: bool = False, **_) -> dict:
+        return {"input_ids": [len(w) for w in body.split()]}
+
+
+def test_topic_passage_is_whole_paragraphs_of_the_topic_within_the_budget():
+    from pydoc_data.topics import topics
+
+    words = _Words()
+    full = topics["string-methods"]
+    for budget in (40, 333, 2000):
+        passage = data.topic_passage(words, "string-methods", budget)
+        n = len(words(passage)["input_ids"])
+        assert n <= budget and full.startswith(passage)
+        # The next paragraph would not have fitted.
+        following = full[len(passage):].split("\n\n")[1]
+        assert n + len(following.split()) > budget
+    # Less than the first paragraph: the first paragraph all the same.
+    assert data.topic_passage(words, "pass", 1) == topics["pass"].split("\n\n")[0]
+    assert data.topic_passage(words, "pass", 10**6) == topics["pass"]
+
+
+def test_topic_passage_names_the_topics_when_one_is_unknown():
+    unknown = "no pydoc help topic 'strings-methods'.*string-methods"
+    with pytest.raises(KVPolicyError, match=unknown):
+        data.topic_passage(_Words(), "strings-methods", 100)
