@@ -51,15 +51,15 @@ demo: $(STAMP)
 	$(PY) -m kvpolicy.demo
 
 test: $(STAMP) $(VSTAMP)
-	$(VENV)/bin/ruff check kvpolicy tests bench examples
-	$(PY) -m pytest -q
-	$(VPY) -m pytest -q tests/vllm
+	$(VENV)/bin/ruff check kvpolicy tests bench examples docs
+	$(PY) -m pytest -q --durations=20
+	$(VPY) -m pytest -q --durations=10 tests/vllm
 
 test-vllm: $(VSTAMP)
-	$(VPY) -m pytest -q tests/vllm
+	$(VPY) -m pytest -q --durations=10 tests/vllm
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvpolicy tests bench examples
+	$(VENV)/bin/ruff check kvpolicy tests bench examples docs
 
 bench: $(STAMP)
 	$(PY) bench/cache_memory.py

@@ -24,6 +24,7 @@ from .kernels.backend import check_name as check_backend
 from .passes.analyse import analyse_model
 from .passes.config import sliding_windows
 from .policies import Calibration, ModelPolicy, PolicySpec, build_policy, load_spec
+from .policies.derive import local_residuals
 from .runtime.install import CompiledModel, install
 from .state import compiled_of, state_of
 
@@ -86,6 +87,7 @@ def derive_policy(
             "policy with every width set"
         )
     result = build_policy(analysis.layers, spec, model_name=_model_name(model))
+    result = local_residuals(result, spec, sliding_windows(model, len(analysis.layers)))
     if spec.budget is None and any(t.rotation == "auto" for t in result.tensors):
         raise PolicyError(
             f"{spec.source}: rotation: auto is chosen per tensor from a bit budget's "
@@ -216,7 +218,7 @@ def compile_model(
     )
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     layer_kind = [lf.block_kind for lf in analysis.layers]
-    windows = sliding_windows(model, len(layer_kind))
+    windows = {i: w for i, w in enumerate(pol.windows) if w is not None}
     install(model, CompiledModel(pol, backend, analysis, kinds, layer_kind, cache_kw, dtype,
                                  windows))
     log.info("compiled %d attention layers (%d block kinds)", len(layer_kind), len(kinds))

@@ -397,6 +397,38 @@ def build_policy(
         raise _blame(exc, spec.source, pair) from None
 
 
+# A local (sliding-window) layer holds about a window of tokens and pays its full-precision
+# residual on every window, where a global layer amortises it over the whole context. The
+# default gives a local layer the share of its window that a global layer's residual is of
+# LOCAL_REFERENCE tokens (the context whole-cache figures are quoted at, footprint.CONTEXT):
+# 128 * 512 // 4096 = 16 recent tokens of a 512-token window.
+LOCAL_REFERENCE = 4096
+
+
+def local_residuals(policy: ModelPolicy, spec: PolicySpec,
+                    windows: Mapping[int, int]) -> ModelPolicy:
+    """``policy`` with ``windows`` (attention layer -> sliding window) recorded and, unless
+    ``spec`` writes a residual (the defaults or any rule), each local layer's residual cut
+    to ``residual * window // LOCAL_REFERENCE`` (never raised), its reason saying so."""
+    if not windows:
+        return policy
+    record = tuple(windows.get(i) for i in range(policy.num_layers))
+    written = ("residual" in spec.defaults.model_fields_set
+               or any(r.residual is not None for r in spec.overrides))
+    tensors = []
+    for i, t in enumerate(policy.tensors):
+        w = record[i // 2]
+        r = t.residual if written or w is None else min(
+            t.residual, t.residual * w // LOCAL_REFERENCE)
+        if r != t.residual:
+            t = t.model_copy(update={"residual": r, "reason": t.reason + (
+                f"; residual {r}, not {t.residual}: a local layer (window {w}) holds about "
+                f"a window of tokens, so it keeps the share of it in full precision that "
+                f"{t.residual} is of {LOCAL_REFERENCE:,} tokens in a global layer")})
+        tensors.append(t)
+    return policy.model_copy(update={"tensors": tuple(tensors), "windows": record})
+
+
 def _blamable(
     origins: Mapping[str, int], values: Mapping[str, Any], derived_axis: Axis, has_rope: bool
 ) -> dict[str, int]:

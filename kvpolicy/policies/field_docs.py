@@ -343,6 +343,11 @@ _MODEL_POLICY: dict[str, FieldDoc] = {
                             "(`stored_bits`: scales and zeros counted).", "code"),
     "calibration": FieldDoc("The measured sensitivity a budget was allocated from; null "
                             "without a budget.", _CALIBRATION),
+    "windows": FieldDoc("Per layer, the sliding window of a local layer (null: a global "
+                        "layer), as the model's config says; empty for a model without "
+                        "local layers. Read by the whole-cache figure (`inspect`'s last "
+                        "line): a local layer holds about a window of tokens.",
+                        [512, 512, 512, 512, 512, None]),
 }
 
 _TENSOR: dict[str, FieldDoc] = {

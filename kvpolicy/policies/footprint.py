@@ -19,8 +19,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from .schema import ModelPolicy, TensorPolicy
+# ``policy`` is a ModelPolicy and its tensors TensorPolicy (schema.py), read by their
+# fields without importing them: schema.py imports render.py, which imports this module.
 
 __all__ = ["CONTEXT", "Footprint", "held_tokens", "whole_cache"]
 
@@ -100,11 +102,11 @@ class Footprint:
         return self.fp16_bytes / self.bytes if self.bytes else float("nan")
 
 
-def _chunk(key: TensorPolicy, value: TensorPolicy) -> int:
+def _chunk(key: Any, value: Any) -> int:
     return math.lcm(key.quant_spec().token_group, value.quant_spec().token_group)
 
 
-def whole_cache(policy: ModelPolicy, tokens: int = CONTEXT,
+def whole_cache(policy: Any, tokens: int = CONTEXT,
                 windows: Sequence[int | None] | None = None, scale_bytes: int = 2) -> Footprint:
     """The bytes every layer of ``policy`` holds after ``tokens`` tokens.
 
@@ -112,10 +114,12 @@ def whole_cache(policy: ModelPolicy, tokens: int = CONTEXT,
         policy: the model's policy.
         tokens: the context length (tokens seen by every layer).
         windows: per layer, the sliding window of a local layer or None (a global layer);
-            None for a model without local layers.
+            by default ``policy.windows`` (empty: every layer global).
         scale_bytes: bytes of a 16-bit scale or zero (2); 8-bit metadata counts 1.
     """
-    by_layer: dict[int, list[TensorPolicy]] = {}
+    if windows is None and policy.windows:
+        windows = policy.windows
+    by_layer: dict[int, list[Any]] = {}
     for t in policy.tensors:
         by_layer.setdefault(t.layer, []).append(t)
     if windows is not None and len(windows) != len(by_layer):

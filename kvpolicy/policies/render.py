@@ -1,15 +1,18 @@
 """The table a ``ModelPolicy`` prints as (``str(policy)``, ``kvpolicy inspect``).
 
 One aligned row per tensor, consecutive identical layers sharing a row pair, a title and a
-footer with the achieved average bits and bytes per token. The functions read the fields
-of ``TensorPolicy`` / ``ModelPolicy`` (schema.py) without importing them: schema.py
-imports this module, so this module imports nothing of the package.
+footer with the achieved average bits, bytes per packed token and the whole cache's
+stored bits (footprint.py). The functions read the fields of ``TensorPolicy`` /
+``ModelPolicy`` (schema.py) without importing them: schema.py imports this module, so
+this module imports only footprint.py, which imports nothing of the package.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from .footprint import whole_cache
 
 
 def ranges(layers: Sequence[int]) -> str:
@@ -59,28 +62,37 @@ def _row(label: str, t: Any) -> list[str]:
     ]
 
 
-def render_table(policy: Any) -> str:
+def render_table(policy: Any, *, reasons: bool = True) -> str:
     """An aligned table of a ``ModelPolicy``, one row per tensor. Consecutive layers whose
     key and value policies are identical in every field but ``layer`` share one row pair
-    ("0-29")."""
+    ("0-29").
+
+    With ``reasons=False``, the short table: no contraction and reason columns, and
+    consecutive layers share a row pair wherever the cells shown agree (what only the
+    reasons tell apart, such as each layer's key channel widths, is not shown).
+    """
+    header = [*_COLUMNS, "contraction", "reason"] if reasons else list(_COLUMNS)
+
+    def signature(key: Any, value: Any) -> tuple:
+        if reasons:
+            return key.model_copy(update={"layer": 0}), value.model_copy(update={"layer": 0})
+        return tuple(_row("", key)[1:len(header)]), tuple(_row("", value)[1:len(header)])
+
     groups: list[tuple[list[int], Any, Any]] = []
     for i in range(0, len(policy.tensors), 2):
         key, value = policy.tensors[i], policy.tensors[i + 1]
-        sig = (key.model_copy(update={"layer": 0}), value.model_copy(update={"layer": 0}))
         if groups:
             layers, k0, v0 = groups[-1]
-            same = (k0.model_copy(update={"layer": 0}), v0.model_copy(update={"layer": 0}))
-            if layers[-1] + 1 == key.layer and sig == same:
+            if layers[-1] + 1 == key.layer and signature(key, value) == signature(k0, v0):
                 layers.append(key.layer)
                 continue
         groups.append(([key.layer], key, value))
 
-    header = [*_COLUMNS, "contraction", "reason"]
     rows = [header]
     for layers, key, value in groups:
         label = ranges(layers)
-        rows.append(_row(label, key))
-        rows.append(_row(label, value))
+        rows.append(_row(label, key)[:len(header)])
+        rows.append(_row(label, value)[:len(header)])
     widths = [max(len(r[c]) for r in rows) for c in range(len(header) - 1)]
 
     def line(cells: list[str]) -> str:
@@ -93,7 +105,7 @@ def render_table(policy: Any) -> str:
         f"kvpolicy: {name}{source}: {policy.num_layers} attention layers, "
         f"{policy.avg_bits:.2f} code bits per element on average"
     )
-    rule = "  ".join("-" * w for w in widths) + "  " + "-" * len("reason")
+    rule = "  ".join("-" * w for w in widths) + "  " + "-" * len(header[-1])
     return "\n".join([title, line(header), rule, *(line(r) for r in rows[1:]), rule,
                       _footer(policy)])
 
@@ -115,8 +127,13 @@ def _footer(policy: Any) -> str:
                 f"{cal.rows}x{cal.tokens} tokens"
             )
         text += ")"
+    whole = whole_cache(policy)
+    local = " (local layers at their window)" if any(w is not None for w in policy.windows) else ""
     return (
         f"{text}; {packed:,.0f} bytes per packed token vs {fp16:,} in fp16 "
         f"({fp16 / packed:.2f}x smaller; scales and zeros counted, the full-precision "
-        "sink and residual windows not)"
+        "sink and residual windows not)\n"
+        f"whole cache at {whole.tokens:,} tokens{local}: {whole.bits:.2f} stored bits per "
+        f"element, {whole.compression:.2f}x smaller than fp16 (sinks, residual and "
+        "incomplete chunks in full precision included)"
     )

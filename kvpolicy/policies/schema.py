@@ -416,6 +416,7 @@ class ModelPolicy(Frozen):
     budget: float | None = None
     budget_unit: Literal["code", "stored"] = "code"
     calibration: Calibration | None = None
+    windows: tuple[StrictInt | None, ...] = ()  # per layer: a local layer's window, or None
 
     @model_validator(mode="after")
     def _layer_order(self) -> ModelPolicy:
@@ -451,6 +452,9 @@ class ModelPolicy(Frozen):
                             "layer": key.layer,
                         },
                     )
+        if self.windows and len(self.windows) != len(self.tensors) // 2:
+            raise invalid("windows", f"{len(self.windows)} windows for "
+                          f"{len(self.tensors) // 2} layers: one per layer, or none")
         return self
 
     @property

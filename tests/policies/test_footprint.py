@@ -55,8 +55,13 @@ def test_whole_cache_agrees_with_what_the_cache_holds(arch):
     fp = whole_cache(policy, tokens, windows)
     assert fp.bytes == pytest.approx(held, rel=0.02)
     assert fp.fp16_bytes == report["fp16_bytes"]
+    # The policy carries the windows: the whole-cache figure inspect prints uses them.
+    assert policy.windows == (tuple(windows) if any(windows) else ())
+    assert whole_cache(policy, tokens).bytes == fp.bytes
     if arch == "gemma3_text":  # local layers hold about a window: less compressed
-        assert any(windows) and fp.compression < whole_cache(policy, tokens).compression
+        as_global = whole_cache(policy, tokens, [None] * n_layers)
+        assert any(windows) and fp.compression < as_global.compression
+        assert "(local layers at their window)" in str(policy)
     # The packed body alone is what avg_stored_bits prices; the whole cache costs more.
     assert fp.body_bits == pytest.approx(policy.avg_stored_bits(), rel=1e-6)
     assert fp.bits > fp.body_bits
