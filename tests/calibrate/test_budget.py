@@ -304,7 +304,7 @@ def test_compile_with_a_budget(tmp_path, monkeypatch):
     assert {t.bits_from for t in pol.tensors} == {"budget"}
     assert all(t.bits in BUDGET_WIDTHS for t in pol.tensors)
     assert "budget 2.5: " in pol.tensors[0].reason and " b " in pol.tensors[0].reason
-    footer = str(pol).splitlines()[-1]
+    footer = str(pol).splitlines()[-2]
     assert footer.startswith(f"average {pol.avg_bits:.3f} code bits") and "budget 2.5" in footer
     ids = calibration_ids(seed=3, t=40)
     out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)

@@ -219,7 +219,7 @@ def test_policy_honours_the_stored_budget_and_explains_each_choice(compiled):
             f"{stored_bits(w, g):.2f} stored bits per element") in key.reason
     assert "group 32 " in key.reason and f"({stored_bits(w, 128):.2f})" in key.reason
     assert f"at group {g}: 1 b " in key.reason
-    footer = str(pol).splitlines()[-1]
+    footer = str(pol).splitlines()[-2]
     assert f"{pol.avg_stored_bits():.3f} stored bits" in footer
     assert "stored-bits budget 3" in footer and "widths and group sizes allocated" in footer
 
@@ -305,7 +305,7 @@ def test_inspect_command_takes_stored_bits(tmp_path, capsys):
     spec.write_text("defaults: {residual: 16, sinks: 2}\n")
     argv = ["inspect", "--model", "tiny-llama", "--policy", str(spec), "--calibration", str(ids)]
     assert main([*argv, "--stored-bits", "2.75"]) == 0
-    footer = capsys.readouterr().out.splitlines()[-1]
+    footer = capsys.readouterr().out.splitlines()[-2]
     assert "stored-bits budget 2.75" in footer
     assert main([*argv, "--bits", "2.5", "--stored-bits", "3"]) == 2
     assert "give one of them" in capsys.readouterr().err
