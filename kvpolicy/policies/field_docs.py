@@ -103,7 +103,10 @@ _SETTINGS: dict[str, FieldDoc] = {
     ),
     "residual": FieldDoc(
         "The most recent tokens kept in full precision (KIVI's residual window); older "
-        "tokens are packed in groups as they leave it. Key and value of a layer share it.",
+        "tokens are packed in groups as they leave it. Key and value of a layer share it. "
+        "Left out, a local (sliding-window) layer keeps `residual × window / 4096` of "
+        "them (16 of a 512-token window): it holds about a window of tokens, where a "
+        "global layer spreads its residual over the whole context.",
         128,
     ),
     "sinks": FieldDoc(

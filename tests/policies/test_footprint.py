@@ -72,3 +72,27 @@ def test_windows_must_name_every_layer():
     policy = kvpolicy.derive_policy(model, bits=2, progress=False)
     with pytest.raises(ValueError, match="windows names 1 layers"):
         whole_cache(policy, 100, [None])
+
+
+def _mostly_local():
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    return tiny_model("gemma3_text", num_hidden_layers=6, layer_types=types,
+                      sliding_window=512, max_position_embeddings=1024)
+
+
+def test_a_local_layer_keeps_its_share_of_the_window_unless_written():
+    model = _mostly_local()
+    pol = kvpolicy.derive_policy(model, bits=2, progress=False)
+    assert pol.windows == (512,) * 5 + (None,)
+    # 128 of 4,096 tokens in a global layer: 16 of a 512-token window.
+    assert [pol.get(i, "key").residual for i in range(6)] == [16] * 5 + [128]
+    assert pol.get(0, "value").residual == 16
+    assert "residual 16, not 128: a local layer (window 512)" in pol.get(0, "key").reason
+    assert "a local layer" not in pol.get(5, "key").reason
+    # A written residual is the user's, in the defaults or in a rule.
+    written = kvpolicy.derive_policy(
+        model, policy={"defaults": {"bits": 2, "residual": 128}}, progress=False)
+    assert {t.residual for t in written.tensors} == {128}
+    ruled = kvpolicy.derive_policy(model, policy={"defaults": {"bits": 2}, "overrides": [
+        {"layers": 5, "tensor": "*", "residual": 64}]}, progress=False)
+    assert [ruled.get(i, "key").residual for i in range(6)] == [128] * 5 + [64]
