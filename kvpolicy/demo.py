@@ -23,6 +23,7 @@ import torch
 from . import api, evaluation, zoo
 from .errors import KVPolicyError
 from .policies.render import render_table
+from .progress import interactive
 from .zoo import text
 
 
@@ -247,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
 
     segs = text.segments(tokenizer, setup.context + setup.steps, setup.segments)
     clock.begin()
-    fp = evaluation.decode_perplexity(model, segs, setup.context, setup.steps, desc="fp")
+    # A bar on a terminal; elsewhere the demo's own line per stage.
+    fp = evaluation.decode_perplexity(model, segs, setup.context, setup.steps, desc="fp",
+                                      progress=interactive())
     clock.end(f"decode-time perplexity with the fp cache ({setup.name})")
 
     clock.begin()
@@ -260,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
 
     clock.begin()
     q = evaluation.decode_perplexity(model, segs, setup.context, setup.steps,
-                                     desc=f"{args.bits}-bit")
+                                     desc=f"{args.bits}-bit", progress=interactive())
     clock.end(f"decode-time perplexity with the {args.bits}-bit cache ({setup.name})")
 
     _print_answers(QUESTION, ids, back, fp_answer, q_answer, args.bits,

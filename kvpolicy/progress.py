@@ -3,7 +3,7 @@
 A tqdm bar redraws itself with carriage returns. In a CI log, a pipe or a file every
 redraw is kept: a 1,000-step decode leaves a thousand fragments on one line. Every bar
 kvpolicy draws comes from :func:`progress_bar`, which turns itself off when its stream is
-not a terminal; the caller says in a line of its own what the stage did, if anything.
+not a terminal; there :func:`stage_done` writes one line when the stage ends instead.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import IO
 
 from tqdm.auto import tqdm
 
-__all__ = ["interactive", "progress_bar"]
+__all__ = ["interactive", "progress_bar", "stage_done"]
 
 # tqdm.auto picks the widget bar under a Jupyter kernel, which does not write to the stream
 # (a kernel's stderr is not a terminal, yet the bar shows).
@@ -40,3 +40,12 @@ def progress_bar(total: int, *, desc: str | None = None, unit: str = "it",
     bar, whose ``update`` and ``close`` do nothing."""
     return tqdm(total=total, desc=desc, unit=unit, file=file,
                 disable=not (enabled and interactive(file)))
+
+
+def stage_done(bar: tqdm, line: str, *, enabled: bool = True,
+               file: IO[str] | None = None) -> None:
+    """Close ``bar``; where it was not drawn (``enabled`` but not interactive), write
+    ``line`` instead, one per stage, to ``file`` (default ``sys.stderr``)."""
+    bar.close()
+    if enabled and bar.disable:
+        print(line, file=sys.stderr if file is None else file, flush=True)

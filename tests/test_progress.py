@@ -71,11 +71,15 @@ def test_a_notebook_widget_is_always_drawn(monkeypatch):
 
 
 @pytest.mark.usefixtures("no_notebook")
-def test_decode_loop_writes_nothing_to_a_non_terminal(monkeypatch, capsys):
+def test_decode_loop_writes_one_line_to_a_non_terminal(monkeypatch, capsys):
     """The decode loop (``kvpolicy eval``) draws through the helper: under pytest stderr is
-    captured, not a terminal, so the loop's bar writes nothing."""
+    captured, not a terminal, so the loop draws no bar and says in one line what it did."""
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 12))
     res = decode_perplexity(model, ids, context=8, steps=4, desc="fp", progress=True)
     assert res.tokens == 4
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.count("\n") == 1
+    assert err.startswith(f"fp: perplexity {res.perplexity:.3f} over 4 scored tokens in ")
+    decode_perplexity(model, ids, context=8, steps=4, desc="fp", progress=False)
     assert capsys.readouterr().err == ""

@@ -77,7 +77,7 @@ from ..policies import (
     ModelPolicy,
     TensorPolicy,
 )
-from ..progress import progress_bar
+from ..progress import progress_bar, stage_done
 from ..zoo.text import pydoc_tokens
 from .allocate import allocate
 from .capture import LayerActivations, capture_activations
@@ -558,7 +558,9 @@ def calibrate(
             summed[act.layer] = _add(summed.get(act.layer), got)
             act.query = act.key = act.key_pre = act.value = act.out_grad = None  # type: ignore
             bar.update()
-    bar.close()
+    stage_done(bar, f"calibrated {policy.num_layers} layers on {input_ids.shape[0]} x "
+               f"{input_ids.shape[1]} tokens ({metric}) in {time.perf_counter() - start:.1f} s",
+               enabled=progress)
     layers = []
     for i, got in sorted(summed.items()):
         kp, vp = policy.get(i, "key"), policy.get(i, "value")

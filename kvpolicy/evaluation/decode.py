@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..progress import progress_bar
+from ..progress import progress_bar, stage_done
 
 __all__ = [
     "DecodeResult", "NextTokenReference", "decode_perplexity", "cache_keyword", "output_cache",
@@ -160,6 +160,7 @@ def decode_perplexity(
     row = 0
     cache = None
     bar = progress_bar(len(groups) * steps, desc=desc, unit="step", enabled=progress)
+    start = time.perf_counter()
     with torch.no_grad():
         for ids in groups:
             rows = slice(row, row + ids.shape[0])
@@ -190,7 +191,8 @@ def decode_perplexity(
                 times.append(time.perf_counter() - t0)
                 cache, logits = output_cache(out), out.logits[:, -1]
                 bar.update(1)
-    bar.close()
+    stage_done(bar, f"{desc}: perplexity {math.exp(nll / n):.3f} over {n:,} scored tokens "
+               f"in {time.perf_counter() - start:.1f} s", enabled=progress)
     times.sort()
     compared = reference is not None
     return DecodeResult(
