@@ -6,15 +6,14 @@ average code bits per cached element over all layers and both tensors. Three ste
 ``calibrate(model, policy)``
     One forward and one backward per row of calibration text (default: the last 2,048 tokens
     of the pydoc text as 4 rows of 512, which the eval's segments never reach; the errors
-    add over rows) capture every layer's q, k, v at the
-    consumer (:mod:`kvpolicy.calibrate.capture`) and the gradient of the text's next-token loss with
-    respect to every attention output. For each layer, tensor and width in
-    ``BUDGET_WIDTHS`` it quantizes *that tensor alone*, with the policy's axis, group size,
-    pre-RoPE ordering, sinks and residual window, and measures what the change ``Δo`` of
-    the attention output costs: ``Σ_t (∂L/∂o_t · Δo_t)²``, the squared first-order loss
-    change per token (see :data:`CALIBRATION_METRICS`). Keys act through the scores and the
-    softmax, values through the weighted sum; one currency for both tensors and for every
-    layer, so bits can move between them.
+    add over rows) capture every layer's q, k, v at the consumer (``capture.py``) and the
+    gradient of the text's next-token loss for every attention output. For each layer, tensor
+    and width in ``BUDGET_WIDTHS`` it quantizes *that tensor alone*, with the policy's axis,
+    group, pre-RoPE ordering, sinks and residual, and measures what the change ``Δo`` of the
+    output costs: ``Σ_t (∂L/∂o_t · Δo_t)²``, the squared first-order loss change per token
+    (:data:`CALIBRATION_METRICS`). Keys act through the scores and the softmax, values through
+    the weighted sum; one currency for both tensors and for every layer, so bits can move
+    between them.
 
     Why the loss weighting: on SmolLM2 the plain relative output error ``‖Δo‖/‖o‖`` rates
     2-bit values as worse than 2-bit keys on many early layers, yet moving bits from values
