@@ -35,6 +35,7 @@ __all__ = [
     "MergePartials",
     "DecodeAttention",
     "compose_decode",
+    "gather_pages",
     "quantize_in_blocks",
 ]
 
@@ -77,8 +78,21 @@ class DecodeAttention(Protocol):
         scale: float, mask: torch.Tensor | None = None, fp_mask: torch.Tensor | None = None,
         rope: RotarySpec | None = None, k_positions: torch.Tensor | None = None,
         fp_positions: torch.Tensor | None = None, check_positions: bool = True,
-        softcap: float | None = None,
+        softcap: float | None = None, block_table: torch.Tensor | None = None,
     ) -> Partial: ...
+
+
+def gather_pages(p: Packed, block_table: torch.Tensor) -> Packed:
+    """The packed segment that ``block_table [B, nb]`` names in the pages ``p``
+    (``[num_blocks, Hkv, rows, ...]`` per field): ``[B, Hkv, nb * rows, ...]``, batch row
+    ``b`` its pages ``block_table[b, 0], ..., block_table[b, nb - 1]`` in order (a copy).
+    What a backend without paged reads does with ``decode_attention(block_table=...)``."""
+    def one(x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # a full-precision "segment" has no scale or zero
+            return x
+        y = x[block_table].transpose(1, 2)  # [B, Hkv, nb, rows, ...]
+        return y.reshape(y.shape[0], y.shape[1], -1, *y.shape[4:])
+    return Packed(one(p.codes), one(p.scale), one(p.zero))
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,7 +115,10 @@ class Backend:
             full-precision segment ``fk, fv [B,Hkv,Tf,D]`` (or None; keys pre-RoPE at
             ``fp_positions [B,Tf]`` when ``rope`` is set), with ``mask``/``fp_mask`` over
             each segment's own keys ``-> (out, lse)``. ``check_positions=False``: the
-            caller has checked every position against the rotary table.
+            caller has checked every position against the rotary table. ``block_table
+            [B, nb]`` (int64): ``k, v`` are pages ``[num_blocks, Hkv, rows, ...]`` and the
+            packed segment of row ``b`` is its pages ``block_table[b]`` in order
+            (:func:`gather_pages`; the C++ kernel reads them in place).
         warm_up: ``(key_spec, value_spec, *, n_kv_heads, gqa, head_dim, dtype, device,
             query_dtype, rope, softcap) -> None``, compiles (and tunes) the decode kernels
             of one layer's policy ahead of its first step; None for a backend with nothing
@@ -155,8 +172,11 @@ def compose_decode(
         fp_positions: torch.Tensor | None = None,
         check_positions: bool = True,
         softcap: float | None = None,
+        block_table: torch.Tensor | None = None,
     ) -> Partial:
         """``Backend.decode_attention``, segment by segment (see :func:`compose_decode`)."""
+        if block_table is not None and k is not None and v is not None:
+            k, v = gather_pages(k, block_table), gather_pages(v, block_table)
         parts: list[Partial] = []
         if k is not None and v is not None:
             kpos = None if rope is None or k_positions is None else k_positions.long()

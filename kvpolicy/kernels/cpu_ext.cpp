@@ -57,6 +57,10 @@ struct Params {
   // per-channel key widths (layout.QuantSpec.widths): [Hkv, Dk, 2] int32, each channel's
   // width and the bit its first code starts at in a group's stream; null: KVP_KB for all
   const int32_t* kwid;
+  // paged packed segment: null, or [B, btab_sb] block ids; then the packed fields above are
+  // pages [num_blocks, Hkv, ...] (their *_sb strides step one page) of bsz tokens each, and
+  // token t of row b is token t % bsz of page btab[b * btab_sb + t / bsz] (chunk divides bsz)
+  const int64_t* btab; int64_t btab_sb, bsz;
 };
 }
 
@@ -271,6 +275,13 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
   alignas(64) uint32_t wrow[Dk];
   const int64_t* pos = FP ? (P.fpos ? P.fpos + b * P.fpos_sb : nullptr)
                           : (P.kpos ? P.kpos + b * P.kpos_sb : nullptr);
+  // Where the packed fields of this item's tokens live: row pb's slab, token t at t - toff
+  // (a page of a paged segment: the item lies inside one page).
+  int64_t pb = b, toff = 0;
+  if (!FP && P.btab) {
+    toff = t0 / P.bsz * P.bsz;
+    pb = P.btab[b * P.btab_sb + t0 / P.bsz];
+  }
   const float* mask = FP ? P.fmask : P.mask;
   const int64_t ms0 = FP ? P.f0 : P.m0, ms1 = FP ? P.f1 : P.m1;
   const int64_t ms2 = FP ? P.f2 : P.m2, ms3 = FP ? P.f3 : P.m3;
@@ -284,11 +295,11 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
         const SType* src = (const SType*)P.fk + b * P.fk_sb + h * P.fk_sh + g0 * Dk;
         for (int64_t e = 0; e < nt * Dk; ++e) K[e] = to_f32(src[e]);
       } else {
-        const int64_t grp = g0 / Gk;
-        const uint8_t* codes = P.kc + b * P.kc_sb + h * P.kc_sh + grp * kbytes * Dk;
+        const int64_t grp = (g0 - toff) / Gk;
+        const uint8_t* codes = P.kc + pb * P.kc_sb + h * P.kc_sh + grp * kbytes * Dk;
         alignas(64) float sc[Dk], zc[Dk];
-        group_meta<KM8>(P.stab, P.ks, b * P.ks_sb + h * P.ks_sh + grp * Dk, P.kz,
-                        b * P.kz_sb + h * P.kz_sh + grp * Dk, Dk, sc, zc);
+        group_meta<KM8>(P.stab, P.ks, pb * P.ks_sb + h * P.ks_sh + grp * Dk, P.kz,
+                        pb * P.kz_sb + h * P.kz_sh + grp * Dk, Dk, sc, zc);
         if (P.kwid) {
           // Per-channel widths: channel d's Gk codes follow each other in the group's byte
           // stream from bit wt[2d + 1], wt[2d] bits each (uniform levels only). Where a
@@ -433,10 +444,11 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
           for (int64_t e = 0; e < Dv; ++e) vrow[e] = to_f32(src[e]);
           continue;
         }
-        const uint8_t* row = P.vc + b * P.vc_sb + h * P.vc_sh + t * vbytes;
+        const int64_t tp = t - toff;
+        const uint8_t* row = P.vc + pb * P.vc_sb + h * P.vc_sh + tp * vbytes;
         float stt[ngv], ztt[ngv];
-        group_meta<VM8>(P.stab, P.vs, b * P.vs_sb + h * P.vs_sh + t * ngv, P.vz,
-                        b * P.vz_sb + h * P.vz_sh + t * ngv, ngv, stt, ztt);
+        group_meta<VM8>(P.stab, P.vs, pb * P.vs_sb + h * P.vs_sh + tp * ngv, P.vz,
+                        pb * P.vz_sb + h * P.vz_sh + tp * ngv, ngv, stt, ztt);
 #if defined(__AVX2__) && defined(__FMA__)
         if constexpr (Gv % 8 == 0 && VB <= 4) {
           // NOTE: 8 codes per step: broadcast their bits, per-lane shift (vpsrlvd), mask,

@@ -112,6 +112,7 @@ class Params(ctypes.Structure):
         ("klut", ctypes.c_void_p), ("vlut", ctypes.c_void_p),
         ("stab", ctypes.c_void_p),
         ("kwid", ctypes.c_void_p),
+        ("btab", ctypes.c_void_p), ("btab_sb", ctypes.c_int64), ("bsz", ctypes.c_int64),
     ]
 
 

@@ -289,6 +289,7 @@ def fused_attention(
     fp_positions: torch.Tensor | None = None,
     check_positions: bool = True,
     softcap: float | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One softmax over a packed segment and a full-precision segment, in one C++ call.
 
@@ -296,7 +297,8 @@ def fused_attention(
     ``[B, Hkv, Tf, D]``, keys pre-RoPE at ``fp_positions [B, Tf]`` when ``rope`` is set;
     ``fp_mask`` over those ``Tf`` columns). ``check_positions=False`` skips the bounds
     check of positions against the rotary table (the caller guarantees it). ``softcap``
-    is applied in the kernel to every score of both segments, before the masks. Returns
+    is applied in the kernel to every score of both segments, before the masks.
+    ``block_table [B, nb]``: ``k``/``v`` are pages, read in place (``Backend``). Returns
     ``(out, lse)`` as :func:`packed_attention_partial` over the union of both segments, or
     ``None`` when the C++ kernel does not cover these inputs (the caller then runs the
     segments separately).
@@ -321,7 +323,8 @@ def fused_attention(
     if lib is None:
         return None
     return _cpp_attention(lib, q, k, v, k_spec, v_spec, fk, fv, scale, mask, fp_mask, rope,
-                          k_positions, fp_positions, check_positions, store, softcap)
+                          k_positions, fp_positions, check_positions, store, softcap,
+                          block_table)
 
 
 _by_segments = compose_decode(
@@ -349,6 +352,7 @@ def decode_attention(
     fp_positions: torch.Tensor | None = None,
     check_positions: bool = True,
     softcap: float | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over a packed and a full-precision segment (``Backend.decode_attention``).
 
@@ -361,13 +365,14 @@ def decode_attention(
         got = fused_attention(
             q, k, v, k_spec, v_spec, fk, fv, scale=scale, mask=mask, fp_mask=fp_mask,
             rope=rope, k_positions=k_positions, fp_positions=fp_positions,
-            check_positions=check_positions, softcap=softcap,
+            check_positions=check_positions, softcap=softcap, block_table=block_table,
         )
         if got is not None:
             return got
     return _by_segments(
         q, k, v, k_spec, v_spec, fk, fv, scale=scale, mask=mask, fp_mask=fp_mask, rope=rope,
         k_positions=k_positions, fp_positions=fp_positions, softcap=softcap,
+        block_table=block_table,
     )
 
 
@@ -443,6 +448,17 @@ def _storage_dtype(
     return dt if dt in _SDT and all(t.dtype == dt for t in ts) else torch.float32
 
 
+def _checked_blocks(table: torch.Tensor, b: int, pages: int, check: bool) -> torch.Tensor:
+    """``table`` as contiguous int64 ``[b, nb]``, its ids checked against the ``pages``
+    the kernel reads (unless ``check`` is False: the caller guarantees them)."""
+    table = table.to(torch.int64).contiguous()
+    if table.dim() != 2 or table.shape[0] != b:
+        raise CacheError(f"block_table must be [B={b}, blocks], got {tuple(table.shape)}")
+    if check and table.numel() and (int(table.min()) < 0 or int(table.max()) >= pages):
+        raise CacheError(f"block_table names a block outside the {pages} pages given")
+    return table
+
+
 def _cpp_attention(
     lib: Any,
     q: torch.Tensor,
@@ -461,19 +477,28 @@ def _cpp_attention(
     check_positions: bool = True,
     store: torch.dtype = torch.float32,
     softcap: float | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, hq, tq, dk = q.shape
     kc, ks, kz = k
     vc, vs, vz = v
     hkv = kc.shape[1]
-    tk = kc.shape[2] * k_spec.group_size
+    tk = kc.shape[2] * k_spec.group_size  # a page's tokens when paged
     dv = vc.shape[3] * 8 // v_spec.bits
-    if kc.shape[0] != b or vc.shape[:2] != kc.shape[:2] or vc.shape[2] != tk:
+    rows = b if block_table is None else kc.shape[0]
+    if kc.shape[0] != rows or vc.shape[:2] != kc.shape[:2] or vc.shape[2] != tk:
         raise CacheError(
             f"packed key codes {tuple(kc.shape)} and value codes {tuple(vc.shape)} do not "
-            f"describe the same [B={b}, Hkv, Tk] segment"
+            f"describe the same [{'num_blocks' if block_table is not None else f'B={b}'}, "
+            f"Hkv, Tk] {'pages' if block_table is not None else 'segment'}"
         )
     keep: list[torch.Tensor] = []  # everything whose pointer the kernel reads stays alive
+    bsz, chunk = tk, max(k_spec.group_size, _CHUNK_TOKENS // k_spec.group_size
+                         * k_spec.group_size)
+    if block_table is not None:
+        btab = _checked_blocks(block_table, b, rows, check_positions)
+        keep.append(btab)
+        tk, chunk = btab.shape[1] * bsz, bsz  # a work item never spans two pages
     qs = (q.float() * scale).contiguous()
     km8, vm8 = is_meta8(k), is_meta8(v)  # 8-bit metadata: passed as stored (uint8 / int8)
     kc, kc_sb, kc_sh = bh_slabs(kc)
@@ -488,7 +513,7 @@ def _cpp_attention(
     p = cpu_ext.Params(
         B=b, Hkv=hkv, rep=hq // hkv, Tq=tq, Dk=dk, Dv=dv, Tk=tk,
         Gk=k_spec.group_size, Gv=v_spec.group_size,
-        chunk=max(k_spec.group_size, _CHUNK_TOKENS // k_spec.group_size * k_spec.group_size),
+        chunk=chunk,
         # NOTE: a helper thread costs tens of us to start, more on a loaded machine: a 1K
         # step measured 0.33 ms on one thread vs 0.71 ms on two (load ~3). The 4K cut
         # itself is a guess between 1K (one thread faster) and 8K (two threads faster).
@@ -505,6 +530,8 @@ def _cpp_attention(
         # a null table is what tells the kernel "no 8-bit metadata" (kept alive by its cache)
         stab=scale_table_f32().data_ptr() if km8 or vm8 else None,
     )
+    if block_table is not None:
+        p.btab, p.btab_sb, p.bsz = btab.data_ptr(), btab.stride(0), bsz
     if mask is not None:
         mf = mask.float().expand(b, hq, tq, tk)
         keep.append(mf)

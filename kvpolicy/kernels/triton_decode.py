@@ -69,6 +69,7 @@ from ._triton_util import (
     rope_arguments,
     width_table,
 )
+from .contract import gather_pages
 from .layout import Packed, QuantSpec, RotarySpec
 from .triton_dequant import attend_keys, merge_splits_kernel, query_sets, store_split
 
@@ -272,6 +273,7 @@ def decode_attention(
     softcap: float | None = None,
     num_splits: int | None = None,
     fp_splits: int | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over a packed and a full-precision segment in one kernel launch
     (``Backend.decode_attention``; the module docstring says how).
@@ -292,6 +294,8 @@ def decode_attention(
             False: the caller has, and nothing in this call waits for the device.
         num_splits, fp_splits: splits of each segment's keys (tests; default one on CPU,
             enough programs for two waves on a GPU).
+        block_table: ``k, v`` are pages and this names each row's (``Backend``); they are
+            gathered into one segment first (:func:`~kvpolicy.kernels.contract.gather_pages`).
     Returns:
         ``out`` fp32 ``[B, Hq, Tq, D]`` and ``lse`` fp32 ``[B, Hq, Tq]``; a row that sees
         no key gives ``out = 0`` and ``lse = -inf``.
@@ -303,6 +307,8 @@ def decode_attention(
                          "with fv (or None for both)")
     if k is None and fk is None:
         raise CacheError("decode_attention needs a packed or a full-precision segment")
+    if block_table is not None and k is not None and v is not None:
+        k, v = gather_pages(k, block_table), gather_pages(v, block_table)
     b, hq, tq, dq = q.shape
     device = q.device
     hkv = tk = tf = 0

@@ -253,6 +253,7 @@ class PagedKV:
             self.rope.style, self.rope.rotary_dim, self.rope.cos, -self.rope.sin)
         self.value_rotation = value_rotation
         self.backend = backend
+        self._views: tuple[tuple, dict[str, torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------ step
 
@@ -265,7 +266,12 @@ class PagedKV:
         """
         lay = self.layout
         kern = select(self.backend, q.device)
-        views = lay.views(pages)
+        # The same pages come back every step (a new view object each time): their field
+        # views are kept, keyed by address (holding them keeps that memory alive).
+        key = (pages.data_ptr(), tuple(pages.shape), pages.stride(0))
+        if self._views is None or self._views[0] != key:
+            self._views = (key, lay.views(pages))
+        views = self._views[1]
         pos = batch.positions(q.device)
         store = lay.store_dtype
         given = k  # as the engine rotated it: what a first prefill attends with
@@ -328,23 +334,26 @@ class PagedKV:
             q, k.to(dt), v.to(dt), attn_mask=mask, is_causal=mask is None,
             scale=self.scale, enable_gqa=q.shape[1] != k.shape[1]).float()
 
-    def _segment(self, views: dict, name: str, spec: QuantSpec,
-                 blocks: torch.Tensor) -> Packed:
-        """Tensor ``name`` of ``blocks`` as one packed segment (a plain one at 16 bits)."""
+    @staticmethod
+    def _pages(views: dict, name: str, spec: QuantSpec) -> Packed:
+        """Tensor ``name`` of every page, ``[num_blocks, H, rows, ...]`` views (a plain one
+        at 16 bits): the kernels read a sequence's pages through the block table."""
         if spec.full_precision:
-            x = self._gather(views, name, blocks)
+            x = views[name]
             return Packed(x, x.new_empty(0), x.new_empty(0))
-        return Packed(*(self._gather(views, f"{name}_{x}", blocks)
-                        for x in ("codes", "scale", "zero")))
+        return Packed(*(views[f"{name}_{x}"] for x in ("codes", "scale", "zero")))
 
     def _key(self) -> tuple:
         lay = self.layout
         top = None if self.rope is None else self.rope.max_positions - 1
         return (lay.block_size, lay.chunk, lay.sinks, lay.full_precision, self.window, top)
 
-    def _attend_index(self, batch: SeqBatch, tq: int, dev: torch.device) -> dict:
+    def _attend_index(self, batch: SeqBatch, tq: int, dev: torch.device,
+                      n_pages: int) -> dict:
         """What attention reads for ``batch`` adding ``tq`` tokens per sequence: block
-        ids, positions and masks of each segment (the same for every layer of a step)."""
+        ids, positions and masks of each segment (the same for every layer of a step).
+        Block ids past a sequence's blocks are masked; they are clamped to the ``n_pages``
+        pages so that the kernel, which reads them, stays inside the cache."""
         lay = self.layout
         b, bs, s_n, c = batch.n, lay.block_size, lay.sinks, lay.chunk
         prev = torch.tensor(batch.seq_lens, device=dev) - tq  # tokens cached before
@@ -362,7 +371,7 @@ class PagedKV:
             n_packed = prev // c * c  # tokens whose chunk is complete (sink rows included)
             nb = -(-int(n_packed.max()) // bs)
             if nb:
-                ix["blocks"] = batch.block_table[:, :nb]
+                ix["blocks"] = batch.block_table[:, :nb].clamp(0, n_pages - 1)
                 kpos = torch.arange(nb * bs, device=dev).expand(b, -1)
                 ix["pmask"] = self._visible(qpos, kpos,
                                             (kpos >= s_n) & (kpos < n_packed[:, None]))
@@ -396,8 +405,9 @@ class PagedKV:
         """``q [B, Hq, Tq, D]`` of sequences that each add ``Tq`` tokens ``k_new/v_new
         [B, Hkv, Tq, D]`` attends over the cache as it stood and those tokens (fp32 out)."""
         lay, dev, tq = self.layout, q.device, q.shape[2]
-        ix = batch.cached(("attend", tq, dev, *self._key()),
-                          lambda: self._attend_index(batch, tq, dev))
+        n_pages = next(iter(views.values())).shape[0]
+        ix = batch.cached(("attend", tq, dev, n_pages, *self._key()),
+                          lambda: self._attend_index(batch, tq, dev, n_pages))
         pk = pv = None
         fks, fvs = [], []
         blocks = ix["blocks"]
@@ -405,8 +415,8 @@ class PagedKV:
             fks.append(self._gather(views, "k", blocks))
             fvs.append(self._gather(views, "v", blocks))
         elif blocks is not None:
-            pk = self._segment(views, "k", lay.key_spec, blocks)
-            pv = self._segment(views, "v", lay.value_spec, blocks)
+            pk = self._pages(views, "k", lay.key_spec)
+            pv = self._pages(views, "v", lay.value_spec)
         if ix["first"] is not None:
             fks.append(views["sink_k"][ix["first"]])
             fvs.append(views["sink_v"][ix["first"]])
@@ -427,88 +437,100 @@ class PagedKV:
                 fp_mask=ix["fmasks"][j], rope=rope,
                 k_positions=None if rope is None or pk is None else ix["kpos"],
                 fp_positions=None if rope is None else ix["fp_pos"],
-                check_positions=False, softcap=self.softcap)
+                check_positions=False, softcap=self.softcap,
+                block_table=None if pk is None else blocks)
             outs.append(out)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     # ------------------------------------------------------------------ append
 
-    def _append(self, kern, views, k: torch.Tensor, v: torch.Tensor, batch: SeqBatch) -> None:
-        """Store the query tokens ``k/v [N, Hkv, D]`` of ``batch`` (token-major, in the
-        order of ``batch``) in their pages."""
-        lay, dev = self.layout, k.device
+    def _append_plan(self, batch: SeqBatch, dev: torch.device) -> dict:
+        """Where ``batch``'s query tokens go (the same for every layer of a step): each
+        token's block and slot, which are sinks, which wait in the stage, and for every
+        chunk they complete the rows it is packed from."""
+        lay = self.layout
         bs, c, s_n = lay.block_size, lay.chunk, lay.sinks
         pos = batch.positions(dev)
-        seq = torch.repeat_interleave(
-            torch.arange(batch.n, device=dev),
-            torch.tensor([batch.query_len(i) for i in range(batch.n)], device=dev))
+        qlen = torch.tensor([batch.query_len(i) for i in range(batch.n)], device=dev)
+        seq = torch.repeat_interleave(torch.arange(batch.n, device=dev), qlen)
         blk = batch.block_table[seq, pos // bs]
+        plan: dict = {"blk": blk, "slot": pos % bs, "sink": None, "stage": None, "pack": None}
         if lay.full_precision:
-            views["k"].transpose(1, 2)[blk, pos % bs] = k
-            views["v"].transpose(1, 2)[blk, pos % bs] = v
-            return
-        if s_n:
+            return plan
+        if s_n and bool((pos < s_n).any()):
             sink = pos < s_n
-            if bool(sink.any()):
-                first = batch.block_table[seq[sink], 0]
-                views["sink_k"].transpose(1, 2)[first, pos[sink]] = k[sink]
-                views["sink_v"].transpose(1, 2)[first, pos[sink]] = v[sink]
-        if c == 1:  # every token is a whole group: pack it now
-            self._pack(kern, views, k.unsqueeze(2), v.unsqueeze(2), blk, pos % bs)
-            return
-        # The chunk of each token and whether it is complete after this step.
+            plan["sink"] = (sink, batch.block_table[seq[sink], 0], pos[sink])
+        if c == 1:
+            return plan
+        # The chunk of each token and whether it is complete after this step. Tokens of
+        # complete chunks are packed from the stage (earlier steps' tokens of the chunk)
+        # and this step's tokens; tokens of incomplete chunks go to the stage.
         end = torch.tensor(batch.seq_lens, device=dev)[seq]
         start = pos // c * c
-        # Tokens of complete chunks are packed from the stage (earlier steps' tokens of
-        # the chunk) and this step's tokens; tokens of incomplete chunks go to the stage.
-        stage_k = views["stage_k"].transpose(1, 2)  # [NB, C, H, D]
-        stage_v = views["stage_v"].transpose(1, 2)
         partial = start + c > end
-        done = ~partial
-        if bool(done.any()):
-            self._pack_complete(kern, views, k, v, batch, seq, pos, blk, done)
-        # After packing: a completed chunk may read the stage rows a later chunk of the
-        # same block is about to take.
         if bool(partial.any()):
-            stage_k[blk[partial], pos[partial] % c] = k[partial]
-            stage_v[blk[partial], pos[partial] % c] = v[partial]
-
-    def _pack_complete(self, kern, views, k, v, batch, seq, pos, blk, done) -> None:
-        """Pack every chunk that this step's tokens (``done``: those of complete chunks)
-        close, from the stage rows of its earlier tokens and this step's tokens."""
-        lay, dev = self.layout, k.device
-        bs, c, s_n = lay.block_size, lay.chunk, lay.sinks
-        stage_k = views["stage_k"].transpose(1, 2)  # [NB, C, H, D]
-        stage_v = views["stage_v"].transpose(1, 2)
-        end = torch.tensor(batch.seq_lens, device=dev)[seq]
-        start = pos // c * c
+            plan["stage"] = (blk[partial], pos[partial] % c, partial)
         # One row per completed chunk: the chunk's last token closes it.
-        last = done & ((pos + 1) % c == 0)
+        last = ~partial & ((pos + 1) % c == 0)
+        if not bool(last.any()):
+            return plan
         cblk, cstart, cseq = blk[last], start[last], seq[last]
-        first_new = (end - torch.tensor(
-            [batch.query_len(i) for i in range(batch.n)], device=dev)[seq])[last]
-        # [n, C, H, D]: rows before this step's first token from the stage, the rest new.
+        first_new = (end - qlen[seq])[last]
+        # [n, C]: rows before this step's first token from the stage, the rest new, by
+        # the index of token (seq, position) among this step's tokens.
         rows = cstart[:, None] + torch.arange(c, device=dev)
-        from_stage = rows < first_new[:, None]
-        ck = stage_k[cblk].clone()
-        cv = stage_v[cblk].clone()
-        # This step's tokens by position: index of token (seq, position) in k.
         tok_index = torch.full((batch.n, int(end.max()) + 1), -1, dtype=torch.long, device=dev)
         tok_index[seq, pos] = torch.arange(pos.shape[0], device=dev)
-        take = tok_index[cseq[:, None].expand_as(rows), rows]
-        fill = ~from_stage
-        ck[fill] = k[take[fill]]
-        cv[fill] = v[take[fill]]
+        fill = rows >= first_new[:, None]
+        take = tok_index[cseq[:, None].expand_as(rows), rows][fill]
+        gather = None
         if s_n:  # sink rows: a copy of the chunk's first non-sink row (read as sinks)
             first_ok = (s_n - cstart).clamp(min=0)  # [n] that row's index in its chunk
             sink_rows = (rows < s_n) & (first_ok < c)[:, None]
             if bool(sink_rows.any()):
-                idx = torch.where(sink_rows, first_ok.clamp(max=c - 1)[:, None],
-                                  torch.arange(c, device=dev)[None])
-                idx = idx[..., None, None]
-                ck = ck.gather(1, idx.expand_as(ck))
-                cv = cv.gather(1, idx.expand_as(cv))
-        self._pack(kern, views, ck.transpose(1, 2), cv.transpose(1, 2), cblk, cstart % bs)
+                gather = torch.where(sink_rows, first_ok.clamp(max=c - 1)[:, None],
+                                     torch.arange(c, device=dev)[None])[..., None, None]
+        plan["pack"] = (cblk, cstart % bs, fill, take, gather)
+        return plan
+
+    def _append(self, kern, views, k: torch.Tensor, v: torch.Tensor, batch: SeqBatch) -> None:
+        """Store the query tokens ``k/v [N, Hkv, D]`` of ``batch`` (token-major, in the
+        order of ``batch``) in their pages."""
+        lay, dev = self.layout, k.device
+        plan = batch.cached(("append", dev, *self._key()), lambda: self._append_plan(batch, dev))
+        blk, slot = plan["blk"], plan["slot"]
+        if lay.full_precision:
+            views["k"].transpose(1, 2)[blk, slot] = k
+            views["v"].transpose(1, 2)[blk, slot] = v
+            return
+        if plan["sink"] is not None:
+            sink, first, at = plan["sink"]
+            views["sink_k"].transpose(1, 2)[first, at] = k[sink]
+            views["sink_v"].transpose(1, 2)[first, at] = v[sink]
+        if lay.chunk == 1:  # every token is a whole group: pack it now
+            self._pack(kern, views, k.unsqueeze(2), v.unsqueeze(2), blk, slot)
+            return
+        if plan["pack"] is not None:
+            self._pack_complete(kern, views, k, v, *plan["pack"])
+        # After packing: a completed chunk may read the stage rows a later chunk of the
+        # same block is about to take.
+        if plan["stage"] is not None:
+            sblk, srow, partial = plan["stage"]
+            views["stage_k"].transpose(1, 2)[sblk, srow] = k[partial]
+            views["stage_v"].transpose(1, 2)[sblk, srow] = v[partial]
+
+    def _pack_complete(self, kern, views, k, v, cblk, off, fill, take, gather) -> None:
+        """Pack the chunks this step completes (blocks ``cblk``, token offsets ``off``):
+        their earlier tokens from the stage, this step's (``fill``: the rows that are new,
+        ``take``: their index in ``k``/``v``), sink rows replaced by ``gather``."""
+        ck = views["stage_k"].transpose(1, 2)[cblk]  # [n, C, H, D], a copy
+        cv = views["stage_v"].transpose(1, 2)[cblk]
+        ck[fill] = k[take]
+        cv[fill] = v[take]
+        if gather is not None:
+            ck = ck.gather(1, gather.expand_as(ck))
+            cv = cv.gather(1, gather.expand_as(cv))
+        self._pack(kern, views, ck.transpose(1, 2), cv.transpose(1, 2), cblk, off)
 
     def _pack(self, kern, views, k: torch.Tensor, v: torch.Tensor, blk: torch.Tensor,
               off: torch.Tensor) -> None:

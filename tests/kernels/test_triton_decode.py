@@ -119,6 +119,31 @@ def test_rope_styles(style, rotary_dim):
     _check(_case(rope=rope, seed=rotary_dim))
 
 
+def test_pages_named_by_a_block_table():
+    # Two pages of 16 tokens per row in a pool of 5, in shuffled order: the kernel gathers
+    # them (no paged reads in Triton yet) and answers as over the segment they hold.
+    a = _case(rope=_rope("rotate_half", 32), tk=32)
+    table = torch.tensor([[3, 0], [4, 1]], device=DEVICE)
+
+    def pages(p: Packed, spec: QuantSpec) -> Packed:
+        rows = 16 // spec.token_group
+        out = []
+        for x in p:
+            pool = torch.zeros(5, *x.shape[1:2], rows, *x.shape[3:], dtype=x.dtype,
+                               device=x.device)
+            for b in range(2):
+                for j in range(2):
+                    pool[table[b, j]] = x[b, :, j * rows : (j + 1) * rows]
+            out.append(pool)
+        return Packed(*out)
+
+    want, want_lse = _call(ref.decode_attention, a)
+    got, lse = _call(_td().decode_attention, {**a, "k": pages(a["k"], KS),
+                                              "v": pages(a["v"], VS)}, block_table=table)
+    torch.testing.assert_close(got.cpu(), want.cpu(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.cpu(), want_lse.cpu(), atol=1e-5, rtol=1e-5)
+
+
 def test_fp32_queries_over_a_half_precision_cache():
     # What the runtime hands over today: fp32 queries, fp16 scales and window.
     a = _case(dtype=torch.float16, rope=_rope("rotate_half", 32, dtype=torch.float16))
