@@ -97,9 +97,10 @@ overrides:               # in order; a later rule wins
 """
 
 BUDGET_EXAMPLE = """\
-# A budget of 3.0 stored bits per element (codes, scales and zeros): widths, group sizes
-# and metadata widths allocated per tensor from a calibration.
-defaults: {stored_bits: 3.0}
+# A budget of 3.0 stored bits per element over the whole cache at 4,096 tokens (codes,
+# scales and zeros, and the sinks, residual and incomplete chunk in full precision):
+# widths, group sizes and metadata widths allocated per tensor from a calibration.
+defaults: {stored_bits: 3.0, budget_context: 4096}
 overrides:
   - {layers: 0, tensor: "*", bits: 16}   # pinned in full precision, counted in the budget
 """

@@ -183,7 +183,8 @@ def compile_model(
             not given: each tensor's group is chosen among 32, 64 and 128 where they
             fit). The policy YAML key is ``defaults: {stored_bits: 3.0}``. Give it or a
             float ``bits``, not both. The full-precision sink and residual windows are
-            counted by neither budget.
+            not counted, unless the policy writes ``budget_context: 4096``: then the
+            budget counts the whole cache each layer holds after that many tokens.
 
     Returns:
         The same model object, compiled: ``model.generate`` and manual decode loops work

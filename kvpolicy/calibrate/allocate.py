@@ -17,19 +17,29 @@ Exact: the sizes are integers once multiplied by a common denominator, and the d
 program runs over the budget in units of their greatest common divisor, so no rounding
 decides a choice. On SmolLM2 (60 tensors of 192 elements, 15 options each) it is a table
 of about 720 units per tensor.
+
+:func:`allocate_joint`
+    A stored-bits budget over the whole cache (``budget_context``): a layer's size is the
+    bits it holds at a context length, which depends on its key and value choices together
+    (the key group sets the chunk, so how many recent tokens wait in full precision). Its
+    options are the pairs on the layer's Pareto front (size against summed error), sizes
+    rounded up to 1/16,384 of the budget, solved vectorised (:func:`_solve_vectorised`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from fractions import Fraction
 from typing import TypeVar
+
+import torch
 
 from ..errors import PolicyError
 from ..policies import FULL_PRECISION, stored_bits
 
-__all__ = ["allocate", "allocate_stored", "solve", "stored_bits"]
+__all__ = ["allocate", "allocate_joint", "allocate_stored", "solve", "stored_bits"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -219,3 +229,84 @@ def _stored_exact(bits: int, group_size: int, scale_bits: int) -> Fraction:
     if bits >= FULL_PRECISION:
         return Fraction(bits)
     return bits + Fraction(2 * scale_bits, group_size)
+
+
+def allocate_joint(
+    errors: Sequence[Sequence[Mapping[Option, float]]],
+    size: Callable[[int, tuple[Option, ...]], int],
+    capacity: int,
+    resolution: int = 1 << 14,
+) -> list[tuple[Option, ...]]:
+    """One option per tensor where tensors come in groups whose size depends on their
+    options together (a layer's key and value: the key group sets how many recent tokens
+    wait in full precision for both): least summed error, sizes within ``capacity``.
+
+    Args:
+        errors: per group, per tensor ``{option: error}``.
+        size: ``size(group, options)``, the group's size in bits for one option per tensor.
+        capacity: bits available to all groups.
+        resolution: the budget is cut into this many units; each group's size is rounded
+            up to a unit, so the result never exceeds ``capacity`` and wastes at most one
+            unit per group.
+
+    Returns:
+        Per group, its tensors' options. Deterministic.
+
+    Raises:
+        PolicyError: the smallest choices of every group exceed ``capacity``.
+    """
+    fronts = []
+    for g, tables in enumerate(errors):
+        joint = []
+        for combo in itertools.product(*(sorted(t.items()) for t in tables)):
+            opts = tuple(o for o, _ in combo)
+            joint.append((size(g, opts), sum(e for _, e in combo), opts))
+        joint.sort(key=lambda x: (x[0], x[1]))
+        front, least = [], math.inf  # only choices that cost less error than every smaller
+        for s, e, o in joint:
+            if e < least:
+                front.append((s, e, o))
+                least = e
+        fronts.append(front)
+    need = sum(f[0][0] for f in fronts)
+    unit = max(1, capacity // resolution)
+    units = [[(-(-s // unit), e, o) for s, e, o in f] for f in fronts]
+    chosen = _solve_vectorised(units, capacity // unit) if need <= capacity else None
+    if chosen is None:
+        raise PolicyError(
+            f"the budget holds {capacity:,} bits and the smallest choice of every layer needs "
+            f"{need:,}; raise the budget, allow larger groups or narrower widths, or keep "
+            "fewer tokens in full precision (residual, sinks)"
+        )
+    return chosen
+
+
+def _solve_vectorised(options: Sequence[Sequence[tuple[int, float, K]]],
+                      capacity: int) -> list[K] | None:
+    """:func:`solve` with each option's update done over every capacity at once (torch):
+    the same least cost, for the tens of thousands of units a whole-cache budget needs."""
+    inf = float("inf")
+    best = torch.full((capacity + 1,), inf, dtype=torch.float64)
+    best[0] = 0.0
+    picks = []
+    for opts in options:
+        nxt = torch.full_like(best, inf)
+        pick = torch.full((capacity + 1,), -1, dtype=torch.long)
+        for j, (sz, cost, _) in enumerate(opts):
+            if sz > capacity:
+                break
+            cand = best[: capacity + 1 - sz] + cost
+            better = cand < nxt[sz:]
+            nxt[sz:] = torch.where(better, cand, nxt[sz:])
+            pick[sz:] = torch.where(better, j, pick[sz:])
+        best = nxt
+        picks.append(pick)
+    if not bool(torch.isfinite(best).any()):
+        return None
+    c = int(torch.argmin(best))  # the first least cost: the smallest total on a tie
+    out: list[K] = []
+    for k in range(len(options) - 1, -1, -1):
+        j = int(picks[k][c])
+        out.append(options[k][j][2])
+        c -= options[k][j][0]
+    return out[::-1]

@@ -10,6 +10,9 @@ behind it into the tensor's reason, so that ``kvpolicy inspect`` can explain it:
   reason quoting the stored bits of the choice and the measured cost of each candidate
   group at the chosen width ("2 bits, group 64: 2.50 stored bits per element; ... at 2
   bits: group 32 9.0e-05 (3.00) · group 64 1.2e-04 (2.50) · group 128 3.1e-04 (2.25)");
+- with ``budget_context`` L, the stored-bits budget counts the whole cache at L tokens:
+  each layer's key and value options are chosen together (:func:`_whole_cache_sizes`), the
+  reason adding what the layer holds;
 - ``rotation: auto``: at the chosen option, the rotated and the plain cost;
 - ``levels: auto``: at the chosen option, the cost with normal and with uniform levels.
 
@@ -20,6 +23,9 @@ calibration and applies the spec's budget.
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Callable
+from fractions import Fraction
 from typing import Any, Literal
 
 import torch
@@ -27,9 +33,10 @@ from torch import nn
 
 from ..errors import AnalysisError, KVPolicyError, PolicyError
 from ..policies import Calibration, ModelPolicy, PolicySpec, TensorPolicy, stored_bits
+from ..policies.footprint import held_tokens
 from . import budget as measure
 from . import channels
-from .allocate import allocate, allocate_stored
+from .allocate import allocate, allocate_joint, allocate_stored
 from .capture import LayerActivations, reduce_activations
 
 __all__ = ["ROTATION_GAIN", "LEVELS_GAIN", "apply_budget", "budget_policy", "channel_text",
@@ -103,7 +110,8 @@ def _measured(calibration: Calibration, t: TensorPolicy, group: int | None) -> M
 
 
 def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float,
-                 unit: Literal["code", "stored"] = "code", scale_bits: int = 16) -> ModelPolicy:
+                 unit: Literal["code", "stored"] = "code", scale_bits: int = 16,
+                 context: int | None = None) -> ModelPolicy:
     """``policy`` with every tensor not pinned by a rule at the width (and, for a
     stored-bits budget, the group size) the allocator gives it; reasons quote the measured
     errors, the result records budget, unit and calibration.
@@ -115,6 +123,8 @@ def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float,
         unit: ``"code"`` (code bits; group sizes stay) or ``"stored"`` (codes plus a scale
             and a zero of ``scale_bits`` each per group; widths and group sizes chosen).
         scale_bits: bits of one stored scale or zero (16: fp16 or bf16).
+        context: for a stored-bits budget, count the whole cache each layer holds after
+            this many tokens (``defaults.budget_context``); None: the packed body.
 
     Raises:
         PolicyError: the calibration was measured with other settings, a code-bits budget
@@ -129,7 +139,7 @@ def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float,
     if calibration.settings != policy.calibration_key():
         raise _stale(calibration)
     if unit == "stored":
-        return _apply_stored(policy, calibration, budget, scale_bits)
+        return _apply_stored(policy, calibration, budget, scale_bits, context)
     variants: list[Measured] = []
     pinned = {}
     for i, t in enumerate(tensors):
@@ -233,8 +243,42 @@ def _meta_text(t: TensorPolicy, o: Option, opts: dict[Option, float]) -> str:
             "allocator prices each by its stored bits)")
 
 
+def _whole_cache_sizes(policy: ModelPolicy, meta: list[int], context: int
+                       ) -> tuple[Callable[[int, tuple[Option, ...]], int], int]:
+    """For a whole-cache budget at ``context`` tokens: ``size(layer, (key option, value
+    option))``, the bits that layer holds (policies.footprint's schedule: the chunk is the
+    lcm of the options' token groups; sinks, residual and incomplete chunk at 16 bits), and
+    the elements every layer keeps whatever the options (what an fp16 cache holds)."""
+    pairs = [policy.tensors[i : i + 2] for i in range(0, len(policy.tensors), 2)]
+    windows = policy.windows or (None,) * len(pairs)
+
+    def token_group(t: TensorPolicy, o: Option) -> int:
+        return o[1] if t.axis.value == "channel" and o[0] < 16 else 1
+
+    def size(layer: int, opts: tuple[Option, ...]) -> int:
+        (key, value), window = pairs[layer], windows[layer]
+        if all(o[0] >= 16 for o in opts):
+            held = held_tokens(context, 0, context, 1, window)
+        else:
+            chunk = math.lcm(*(token_group(t, o) for t, o in zip(pairs[layer], opts,
+                                                                   strict=True)))
+            held = held_tokens(context, key.sinks, key.residual, chunk, window)
+        bits = Fraction(0)
+        for j, (t, o) in enumerate(zip((key, value), opts, strict=True)):
+            mb = o[2] if len(o) > 2 else meta[2 * layer + j]
+            per = o[0] if o[0] >= 16 else o[0] + Fraction(2 * mb, o[1])
+            bits += t.elements_per_token * (held.packed * per + (held.sinks + held.residual)
+                                            * 16)
+        return math.ceil(bits)
+
+    elements = sum(held_tokens(context, 0, context, 1, w).total
+                   * (k.elements_per_token + v.elements_per_token)
+                   for (k, v), w in zip(pairs, windows, strict=True))
+    return size, elements
+
+
 def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
-                  scale_bits: int) -> ModelPolicy:
+                  scale_bits: int, context: int | None = None) -> ModelPolicy:
     """:func:`apply_budget` for a stored-bits budget: a ``(width, group)`` per tensor, and
     under ``meta_bits: auto`` the metadata width too."""
     tensors = policy.tensors
@@ -274,7 +318,15 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
     # Each tensor's scale and zero: the cache dtype's, or a byte with 8-bit metadata (an
     # option (width, group, 8) says so itself).
     meta = [8 * t.meta_bytes(scale_bits // 8) for t in tensors]
-    chosen = allocate_stored(options, sizes, budget, meta)
+    if context is None:
+        chosen = allocate_stored(options, sizes, budget, meta)
+        budget_text = f"stored-bits budget {budget:g}"
+    else:
+        size, elements = _whole_cache_sizes(policy, meta, context)
+        pairs = [options[i : i + 2] for i in range(0, len(options), 2)]
+        picked = allocate_joint(pairs, size, math.floor(budget * elements + 1e-9))
+        chosen = [o for pair in picked for o in pair]
+        budget_text = f"stored-bits budget {budget:g} over the whole cache at {context:,} tokens"
     out = []
     for i, (t, o) in enumerate(zip(tensors, chosen, strict=True)):
         w, g = o[:2]
@@ -287,10 +339,14 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
         pinned = t.bits_from == "rule"
         if pinned:
             reason = f"{t.reason}; pinned by the rule at {what}, counted against the " \
-                     f"stored-bits budget {budget:g}"
+                     f"{budget_text}"
         else:
-            reason = (f"{t.reason}; stored-bits budget {budget:g}: {what}, from the measured "
+            reason = (f"{t.reason}; {budget_text}: {what}, from the measured "
                       f"{calibration.metric} of quantizing this tensor alone")
+        if context is not None and i % 2 == 1:  # the layer's whole cache, on its value
+            held = size(i // 2, (chosen[i - 1], o))
+            reason += (f"; the layer holds {held / 8:,.0f} bytes per batch row at "
+                       f"{context:,} tokens, sinks, residual and incomplete chunk included")
         same_meta = [x for x in options[i] if len(x) == len(o)]
         if t.group_sizes and w < 16:
             at_w = " · ".join(
@@ -317,7 +373,7 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
         out.append(TensorPolicy.model_validate(data))
     return policy.model_copy(update={
         "tensors": tuple(out), "budget": budget, "budget_unit": "stored",
-        "calibration": calibration,
+        "budget_context": context, "calibration": calibration,
     })
 
 
@@ -344,7 +400,8 @@ def budget_policy(
     # NOTE: scales and zeros are stored in fp16 for fp32/fp16 models and in bf16 for bf16
     # ones (runtime.cache.storage_dtype): 16 bits each.
     scale_bits = torch.finfo(measure.scale_dtype(model)).bits
-    return apply_budget(base, cal, budget, unit, scale_bits), cal
+    return apply_budget(base, cal, budget, unit, scale_bits,
+                        spec.defaults.budget_context), cal
 
 
 # --------------------------------------------------------------------------- channel widths

@@ -81,11 +81,22 @@ _SETTINGS: dict[str, FieldDoc] = {
         "per group (2-bit codes store 3.0 in groups of 32 with fp16 scales and zeros, 2.5 in "
         "groups of 64). Widths, group sizes (where `group_size` is not given) and metadata "
         "widths are allocated together per tensor from measured costs. The full-precision "
-        "sink and residual windows are counted by neither budget. Give it or a float "
-        "`bits`, not both, and leave `bits` out.",
+        "sink and residual windows are not counted unless `budget_context` is given. Give "
+        "it or a float `bits`, not both, and leave `bits` out.",
         3.0,
         f"a number in [{BUDGET_WIDTHS[0]}, {FULL_PRECISION}] (3 and 3.0 alike); null: no "
         "stored-bits budget",
+    ),
+    "budget_context": FieldDoc(
+        "Where `stored_bits` counts: null counts the packed body alone; a number of tokens "
+        "counts the whole cache every layer holds after that many (a local layer: its "
+        "window): codes, scales and zeros, and the sinks, the residual window and the "
+        "incomplete chunk in full precision, as `inspect`'s last line counts them, per "
+        "element of what an fp16 cache keeps (a local layer: its last window - 1 tokens). The "
+        "allocator then prices each layer's key and value choices together, since the key "
+        "group sets how many recent tokens wait in full precision.",
+        4096,
+        "an int >= 1 (needs `stored_bits`); null: the packed body only",
     ),
     "group_size": FieldDoc(
         "Elements per quantization group, which share one scale and one zero: consecutive "
@@ -344,6 +355,9 @@ _MODEL_POLICY: dict[str, FieldDoc] = {
     "budget_unit": FieldDoc("The unit of `budget`: `code`, average code bits per cached "
                             "element (a float `bits`), or `stored`, average stored bits "
                             "(`stored_bits`: scales and zeros counted).", "code"),
+    "budget_context": FieldDoc("The context length a stored-bits budget counted the whole "
+                               "cache at (`defaults.budget_context`); null: the packed body "
+                               "alone, or no stored-bits budget.", 4096),
     "calibration": FieldDoc("The measured sensitivity a budget was allocated from; null "
                             "without a budget.", _CALIBRATION),
     "windows": FieldDoc("Per layer, the sliding window of a local layer (null: a global "

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .footprint import whole_cache
+from .footprint import CONTEXT, whole_cache
 
 
 def ranges(layers: Sequence[int]) -> str:
@@ -119,6 +119,8 @@ def _footer(policy: Any) -> str:
         text += f", {policy.avg_stored_bits():.3f} stored bits with scales and zeros"
     if policy.budget is not None:
         text += f" ({'stored-bits budget' if stored else 'budget'} {policy.budget:g}"
+        if stored and policy.budget_context is not None:
+            text += f" over the whole cache at {policy.budget_context:,} tokens"
         if policy.calibration is not None:
             cal = policy.calibration
             what = "widths and group sizes" if stored and cal.groups else "widths"
@@ -127,7 +129,7 @@ def _footer(policy: Any) -> str:
                 f"{cal.rows}x{cal.tokens} tokens"
             )
         text += ")"
-    whole = whole_cache(policy)
+    whole = whole_cache(policy, policy.budget_context or CONTEXT)
     local = " (local layers at their window)" if any(w is not None for w in policy.windows) else ""
     return (
         f"{text}; {packed:,.0f} bytes per packed token vs {fp16:,} in fp16 "

@@ -415,6 +415,7 @@ class ModelPolicy(Frozen):
     # counted; widths and group sizes allocated).
     budget: float | None = None
     budget_unit: Literal["code", "stored"] = "code"
+    budget_context: StrictInt | None = None  # a stored-bits budget over the whole cache
     calibration: Calibration | None = None
     windows: tuple[StrictInt | None, ...] = ()  # per layer: a local layer's window, or None
 

@@ -123,6 +123,10 @@ class Defaults(Frozen):
     # A budget of average *stored* bits per element (codes + a scale and a zero per group),
     # widths and group sizes allocated by measured sensitivity; excludes a float ``bits``.
     stored_bits: Union[StrictFloat, None] = None
+    # None: ``stored_bits`` prices the packed body. An int L: it prices the whole cache each
+    # layer holds after L tokens (a local layer: its window), sinks, residual and the
+    # incomplete chunk counted in full precision (policies.footprint).
+    budget_context: Union[StrictInt, None] = Field(default=None, ge=1)
     group_size: GroupSetting = KVPOLICY_DEFAULTS["group_size"]
     residual: StrictInt = Field(default=KVPOLICY_DEFAULTS["residual"], ge=0)
     sinks: StrictInt = Field(default=KVPOLICY_DEFAULTS["sinks"], ge=0)
@@ -180,6 +184,13 @@ class Defaults(Frozen):
                 "zeros); give one of them: drop bits, or drop stored_bits",
                 "stored_bits",
                 "bits",
+            )
+        if self.budget_context is not None and self.stored_bits is None:
+            raise invalid(
+                "budget_context",
+                f"budget_context {self.budget_context} says at how many tokens a stored-bits "
+                "budget counts the whole cache, and there is no stored_bits; add "
+                "stored_bits: 3.0, or drop budget_context",
             )
         if not isinstance(self.group_size, int) and self.stored_bits is None:
             raise invalid(

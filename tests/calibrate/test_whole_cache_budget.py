@@ -1,0 +1,133 @@
+"""A stored-bits budget over the whole cache (``defaults.budget_context``): the joint
+allocator, the policy it writes, and the bytes a compiled cache then holds."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import kvpolicy
+from kvpolicy.calibrate import allocate_joint
+from kvpolicy.errors import PolicyError
+from kvpolicy.policies.footprint import held_tokens, whole_cache
+from kvpolicy.zoo.tiny import tiny_model
+
+SMALL = {"residual": 16, "sinks": 2}
+TOKENS = 300
+
+
+def _ids(seed: int, t: int) -> torch.Tensor:
+    return torch.randint(3, 120, (1, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _held_bytes(model, tokens: int) -> float:
+    ids = _ids(0, tokens)
+    with torch.no_grad():
+        cache = model(ids[:, : tokens - 24], use_cache=True).past_key_values
+        for i in range(tokens - 24, tokens):  # decode steps (local layers evict)
+            cache = model(ids[:, i : i + 1], past_key_values=cache,
+                          use_cache=True).past_key_values
+    report = cache.memory_report()
+    return report["bytes"] - report["position_bytes"] - report["rope_bytes"]
+
+
+# --------------------------------------------------------------------------- allocator
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_allocate_joint_finds_the_least_error_within_the_capacity(seed):
+    """Against brute force over every choice: three groups of two tensors whose size is
+    not the sum of per-tensor sizes (a coupling term, as the key group's chunk is)."""
+    rng = random.Random(seed)
+    tables = [[{(w, g): rng.random() / w for w in (1, 2, 4) for g in (1, 2)}
+               for _ in range(2)] for _ in range(3)]
+
+    def size(group: int, opts) -> int:
+        (wa, ga), (wb, gb) = opts
+        return 10 * (wa + wb) + 7 * max(ga, gb) + group
+
+    capacity = rng.randint(150, 220)
+    got = allocate_joint(tables, size, capacity, resolution=capacity)  # one-bit units
+    total = sum(size(g, o) for g, o in enumerate(got))
+    assert total <= capacity
+    err = sum(tables[g][j][o] for g, opts in enumerate(got) for j, o in enumerate(opts))
+    best = min(
+        sum(tables[g][j][o] for g, opts in enumerate(pick) for j, o in enumerate(opts))
+        for pick in itertools.product(*(list(itertools.product(*(sorted(t) for t in grp)))
+                                        for grp in tables))
+        if sum(size(g, o) for g, o in enumerate(pick)) <= capacity)
+    assert err == pytest.approx(best, rel=1e-12)
+
+
+def test_allocate_joint_refuses_a_capacity_below_the_smallest_choices():
+    tables = [[{(1, 1): 1.0, (2, 1): 0.5}]]
+    with pytest.raises(PolicyError, match="needs 10"):
+        allocate_joint(tables, lambda g, o: 10 * o[0][0], 9)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_the_budget_holds_over_the_whole_cache_the_model_then_holds(arch):
+    # Gemma3's layers are local: a window of 160 holds 159 tokens at 300, of which the
+    # residual and the incomplete chunk wait in full precision (4.2 bits at the least).
+    local = arch == "gemma3_text"
+    model = tiny_model(arch, max_position_embeddings=512,
+                       **({"sliding_window": 160} if local else {}))
+    budget = 5.0 if local else 4.0
+    spec = {"defaults": {"stored_bits": budget, "budget_context": TOKENS, **SMALL}}
+    kvpolicy.compile_model(model, policy=spec, calibration=_ids(1, 160), progress=False)
+    pol = kvpolicy.inspect(model)
+    assert pol.budget_context == TOKENS and pol.budget_unit == "stored"
+    whole = whole_cache(pol, TOKENS)
+    # The budget is per element of what an fp16 cache keeps: every token of a global
+    # layer, the last window - 1 of a local one (which may hold a few more, whole chunks).
+    kept = sum(held_tokens(TOKENS, 0, TOKENS, 1, w).total * 128
+               for w in (pol.windows or (None, None)))
+    assert 0.97 * budget * kept < 8 * whole.bytes <= budget * kept  # used, never exceeded
+    # What the compiled cache holds after 300 tokens is what the budget counted.
+    assert whole.bytes == pytest.approx(_held_bytes(model, TOKENS), rel=0.02)
+    # The body alone is cheaper than the whole: full-precision tokens are counted.
+    assert pol.avg_stored_bits() < whole.bits
+    value = pol.get(0, "value")
+    assert f"stored-bits budget {budget:g} over the whole cache at {TOKENS} tokens" \
+        in value.reason
+    assert "the layer holds" in value.reason
+    footer = str(pol).splitlines()
+    assert any(f"whole cache at {TOKENS} tokens" in line and f"{whole.bits:.2f}" in line
+               for line in footer)
+    assert len(pol.tensors) == 4 and pol.get(0, "key").elements_per_token == 64
+
+
+def test_a_body_budget_is_exceeded_over_the_whole_cache():
+    """The same budget read as before (the packed body): the whole cache holds more, which
+    is why budget_context exists."""
+    model = tiny_model("llama")
+    cal = kvpolicy.derive_policy(model, policy={"defaults": {"stored_bits": 4.0, **SMALL}},
+                                 calibration=_ids(1, 160), progress=False)
+    assert cal.budget_context is None
+    assert cal.avg_stored_bits() <= 4.0 < whole_cache(cal, TOKENS).bits
+    whole = kvpolicy.derive_policy(
+        model, policy={"defaults": {"stored_bits": 4.0, "budget_context": TOKENS, **SMALL}},
+        calibration=cal.calibration, progress=False)
+    assert whole_cache(whole, TOKENS).bits <= 4.0
+    assert whole.avg_stored_bits() < cal.avg_stored_bits()  # the body pays for the rest
+
+
+def test_budget_context_needs_a_stored_bits_budget():
+    with pytest.raises(PolicyError, match="budget_context 4096.*add stored_bits"):
+        kvpolicy.derive_policy(tiny_model("llama"),
+                               policy={"defaults": {"bits": 2, "budget_context": 4096}})
+
+
+def test_a_whole_cache_budget_below_the_full_precision_tokens_is_refused():
+    # 300 tokens with residual 16 + sinks 2 + an incomplete chunk at 16 bits cannot fit 1.2
+    with pytest.raises(PolicyError, match="smallest choice of every layer needs"):
+        kvpolicy.derive_policy(
+            tiny_model("llama"),
+            policy={"defaults": {"stored_bits": 1.2, "budget_context": TOKENS, **SMALL}},
+            calibration=_ids(1, 160), progress=False)
