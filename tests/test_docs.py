@@ -83,7 +83,8 @@ def test_example_is_a_value_the_field_accepts(model, name):
 @pytest.mark.parametrize("name", spec.Defaults.model_fields)
 def test_defaults_example_is_a_valid_defaults(name):
     # A field that only means something beside another is validated with it.
-    needs = {"budget_context": {"stored_bits": 3.0}}.get(name, {})
+    needs = {"budget_context": {"stored_bits": 3.0},
+             "budget_pages": {"stored_bits": 3.0}}.get(name, {})
     spec.Defaults.model_validate({**needs, name: _example(spec.Defaults, name)})
 
 

@@ -111,7 +111,7 @@ def _measured(calibration: Calibration, t: TensorPolicy, group: int | None) -> M
 
 def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float,
                  unit: Literal["code", "stored"] = "code", scale_bits: int = 16,
-                 context: int | None = None) -> ModelPolicy:
+                 context: int | None = None, pages: int | None = None) -> ModelPolicy:
     """``policy`` with every tensor not pinned by a rule at the width (and, for a
     stored-bits budget, the group size) the allocator gives it; reasons quote the measured
     errors, the result records budget, unit and calibration.
@@ -125,6 +125,8 @@ def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float,
         scale_bits: bits of one stored scale or zero (16: fp16 or bf16).
         context: for a stored-bits budget, count the whole cache each layer holds after
             this many tokens (``defaults.budget_context``); None: the packed body.
+        pages: for a stored-bits budget, count each layer's page of this many tokens
+            (``defaults.budget_pages``), every layer within the budget on its own.
 
     Raises:
         PolicyError: the calibration was measured with other settings, a code-bits budget
@@ -139,7 +141,7 @@ def apply_budget(policy: ModelPolicy, calibration: Calibration, budget: float,
     if calibration.settings != policy.calibration_key():
         raise _stale(calibration)
     if unit == "stored":
-        return _apply_stored(policy, calibration, budget, scale_bits, context)
+        return _apply_stored(policy, calibration, budget, scale_bits, context, pages)
     variants: list[Measured] = []
     pinned = {}
     for i, t in enumerate(tensors):
@@ -277,8 +279,40 @@ def _whole_cache_sizes(policy: ModelPolicy, meta: list[int], context: int
     return size, elements
 
 
+def _page_sizes(policy: ModelPolicy, meta: list[int], pages: int
+                ) -> tuple[Callable[[int, tuple[Option, ...]], int | None], list[int]]:
+    """For a budget over pages of ``pages`` tokens: ``size(layer, (key option, value
+    option))``, the bits of that layer's page as ``runtime.paged.PagedLayout`` lays it out
+    (less the alignment of its fields), None where the options' chunk does not divide the
+    page; and per layer the elements a page holds."""
+    pairs = [policy.tensors[i : i + 2] for i in range(0, len(policy.tensors), 2)]
+
+    def token_group(t: TensorPolicy, o: Option) -> int:
+        return o[1] if t.axis.value == "channel" and o[0] < 16 else 1
+
+    def size(layer: int, opts: tuple[Option, ...]) -> int | None:
+        key, value = pairs[layer]
+        e = key.elements_per_token + value.elements_per_token
+        if all(o[0] >= 16 for o in opts):
+            return pages * e * 16
+        chunk = math.lcm(*(token_group(t, o) for t, o in zip(pairs[layer], opts,
+                                                               strict=True)))
+        if pages % chunk:
+            return None
+        bits = Fraction(0)
+        for j, (t, o) in enumerate(zip((key, value), opts, strict=True)):
+            mb = o[2] if len(o) > 2 else meta[2 * layer + j]
+            per = o[0] if o[0] >= 16 else o[0] + Fraction(2 * mb, o[1])
+            bits += t.elements_per_token * pages * per
+        stage = chunk if chunk > 1 else 0
+        return math.ceil(bits) + (stage + key.sinks) * e * 16
+
+    return size, [pages * (k.elements_per_token + v.elements_per_token) for k, v in pairs]
+
+
 def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
-                  scale_bits: int, context: int | None = None) -> ModelPolicy:
+                  scale_bits: int, context: int | None = None,
+                  pages: int | None = None) -> ModelPolicy:
     """:func:`apply_budget` for a stored-bits budget: a ``(width, group)`` per tensor, and
     under ``meta_bits: auto`` the metadata width too."""
     tensors = policy.tensors
@@ -318,7 +352,20 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
     # Each tensor's scale and zero: the cache dtype's, or a byte with 8-bit metadata (an
     # option (width, group, 8) says so itself).
     meta = [8 * t.meta_bytes(scale_bits // 8) for t in tensors]
-    if context is None:
+    if pages is not None:
+        page_size, elements = _page_sizes(policy, meta, pages)
+        chosen = []
+        for layer in range(len(options) // 2):
+            pair = options[2 * layer : 2 * layer + 2]
+            fits = [{o: e for o, e in pair[0].items()
+                     if any(page_size(layer, (o, v)) is not None for v in pair[1])}, pair[1]]
+            got = allocate_joint(
+                [fits], lambda _, opts, at=layer: page_size(at, opts) or 1 << 62,
+                math.floor(budget * elements[layer] + 1e-9))
+            chosen += list(got[0])
+        size = page_size  # type: ignore[assignment]
+        budget_text = f"stored-bits budget {budget:g} per page of {pages} tokens"
+    elif context is None:
         chosen = allocate_stored(options, sizes, budget, meta)
         budget_text = f"stored-bits budget {budget:g}"
     else:
@@ -347,6 +394,10 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
             held = size(i // 2, (chosen[i - 1], o))
             reason += (f"; the layer holds {held / 8:,.0f} bytes per batch row at "
                        f"{context:,} tokens, sinks, residual and incomplete chunk included")
+        if pages is not None and i % 2 == 1:
+            held = size(i // 2, (chosen[i - 1], o))
+            reason += (f"; the layer's page holds {held / 8:,.0f} bytes, its stage and "
+                       "sink area included")
         same_meta = [x for x in options[i] if len(x) == len(o)]
         if t.group_sizes and w < 16:
             at_w = " · ".join(
@@ -373,7 +424,7 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
         out.append(TensorPolicy.model_validate(data))
     return policy.model_copy(update={
         "tensors": tuple(out), "budget": budget, "budget_unit": "stored",
-        "budget_context": context, "calibration": calibration,
+        "budget_context": context, "budget_pages": pages, "calibration": calibration,
     })
 
 
@@ -400,8 +451,8 @@ def budget_policy(
     # NOTE: scales and zeros are stored in fp16 for fp32/fp16 models and in bf16 for bf16
     # ones (runtime.cache.storage_dtype): 16 bits each.
     scale_bits = torch.finfo(measure.scale_dtype(model)).bits
-    return apply_budget(base, cal, budget, unit, scale_bits,
-                        spec.defaults.budget_context), cal
+    return apply_budget(base, cal, budget, unit, scale_bits, spec.defaults.budget_context,
+                        spec.defaults.budget_pages), cal
 
 
 # --------------------------------------------------------------------------- channel widths

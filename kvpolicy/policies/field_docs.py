@@ -98,6 +98,17 @@ _SETTINGS: dict[str, FieldDoc] = {
         4096,
         "an int >= 1 (needs `stored_bits`); null: the packed body only",
     ),
+    "budget_pages": FieldDoc(
+        "Where `stored_bits` counts when the cache is served in pages (vLLM): null, or the "
+        "tokens of a page. Each layer's page, its codes, scales and zeros and the full-"
+        "precision stage of one chunk and sink area every page carries, then holds at most "
+        "`stored_bits` per element of its tokens, every layer on its own (the engine gives "
+        "all layers the largest page). Groups whose chunk does not divide the page are not "
+        "candidates. The vLLM plugin sets it to its block of 512 tokens for a stored-bits "
+        "policy that gives neither this nor `budget_context`.",
+        512,
+        "a multiple of 16 (needs `stored_bits`, excludes `budget_context`); null",
+    ),
     "group_size": FieldDoc(
         "Elements per quantization group, which share one scale and one zero: consecutive "
         "tokens of one channel (axis `channel`) or channels of one token (axis `token`, "
@@ -358,6 +369,8 @@ _MODEL_POLICY: dict[str, FieldDoc] = {
     "budget_context": FieldDoc("The context length a stored-bits budget counted the whole "
                                "cache at (`defaults.budget_context`); null: the packed body "
                                "alone, or no stored-bits budget.", 4096),
+    "budget_pages": FieldDoc("The page a stored-bits budget counted (`defaults.budget_"
+                             "pages`); null: not a paged count.", 512),
     "calibration": FieldDoc("The measured sensitivity a budget was allocated from; null "
                             "without a budget.", _CALIBRATION),
     "windows": FieldDoc("Per layer, the sliding window of a local layer (null: a global "

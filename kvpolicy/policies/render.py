@@ -121,6 +121,8 @@ def _footer(policy: Any) -> str:
         text += f" ({'stored-bits budget' if stored else 'budget'} {policy.budget:g}"
         if stored and policy.budget_context is not None:
             text += f" over the whole cache at {policy.budget_context:,} tokens"
+        if stored and policy.budget_pages is not None:
+            text += f" per page of {policy.budget_pages} tokens"
         if policy.calibration is not None:
             cal = policy.calibration
             what = "widths and group sizes" if stored and cal.groups else "widths"

@@ -416,6 +416,7 @@ class ModelPolicy(Frozen):
     budget: float | None = None
     budget_unit: Literal["code", "stored"] = "code"
     budget_context: StrictInt | None = None  # a stored-bits budget over the whole cache
+    budget_pages: StrictInt | None = None  # ... or over a paged server's blocks
     calibration: Calibration | None = None
     windows: tuple[StrictInt | None, ...] = ()  # per layer: a local layer's window, or None
 

@@ -127,6 +127,10 @@ class Defaults(Frozen):
     # layer holds after L tokens (a local layer: its window), sinks, residual and the
     # incomplete chunk counted in full precision (policies.footprint).
     budget_context: Union[StrictInt, None] = Field(default=None, ge=1)
+    # None, or a paged server's block of this many tokens: ``stored_bits`` prices each
+    # layer's page (codes, scales, zeros, a stage of one chunk and the sink area in full
+    # precision, runtime.paged.PagedLayout), every layer within it on its own.
+    budget_pages: Union[StrictInt, None] = Field(default=None, ge=16, multiple_of=16)
     group_size: GroupSetting = KVPOLICY_DEFAULTS["group_size"]
     residual: StrictInt = Field(default=KVPOLICY_DEFAULTS["residual"], ge=0)
     sinks: StrictInt = Field(default=KVPOLICY_DEFAULTS["sinks"], ge=0)
@@ -191,6 +195,20 @@ class Defaults(Frozen):
                 f"budget_context {self.budget_context} says at how many tokens a stored-bits "
                 "budget counts the whole cache, and there is no stored_bits; add "
                 "stored_bits: 3.0, or drop budget_context",
+            )
+        if self.budget_pages is not None and self.stored_bits is None:
+            raise invalid(
+                "budget_pages",
+                f"budget_pages {self.budget_pages} says how large the pages are that a "
+                "stored-bits budget counts, and there is no stored_bits; add "
+                "stored_bits: 3.0, or drop budget_pages",
+            )
+        if self.budget_pages is not None and self.budget_context is not None:
+            raise invalid(
+                "budget_pages",
+                "budget_context counts the cache of one process and budget_pages a paged "
+                "server's blocks; give one of them",
+                "budget_pages", "budget_context",
             )
         if not isinstance(self.group_size, int) and self.stored_bits is None:
             raise invalid(

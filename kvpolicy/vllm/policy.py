@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, replace
+from functools import cache
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -31,12 +32,12 @@ import torch
 from ..api import derive_policy
 from ..errors import KVPolicyError, PolicyError
 from ..kernels.layout import QuantSpec, RotarySpec
-from ..policies import ModelPolicy
+from ..policies import ModelPolicy, PolicySpec, load_spec
 from ..runtime.cache import storage_dtype
 from ..runtime.paged import PagedLayout
 from ..zoo.models import cache_dir
 
-__all__ = ["ServedPolicy", "config_value", "served_policy"]
+__all__ = ["ServedPolicy", "config_value", "paged_budget", "served_policy"]
 
 log = logging.getLogger("vllm.kvpolicy")  # vLLM's handlers print it
 
@@ -105,8 +106,11 @@ class ServedPolicy:
         return max(self.layout(layer, **kw).page_bytes for layer in self.layers)
 
     def default_block_size(self) -> int:
-        """The smallest multiple of ``lcm(chunk, 32)`` holding at least ``MIN_BLOCK`` tokens
-        and 8 chunks (a page's stage is then at most an eighth of its tokens)."""
+        """The page a stored-bits budget was allocated over (``budget_pages``), else the
+        smallest multiple of ``lcm(chunk, 32)`` holding at least ``MIN_BLOCK`` tokens and 8
+        chunks (a page's stage is then at most an eighth of its tokens)."""
+        if self.policy.budget_pages is not None:
+            return self.policy.budget_pages
         chunk = self.chunk()
         step = math.lcm(chunk, 32)
         return step * max(1, -(-max(MIN_BLOCK, 8 * chunk) // step))
@@ -129,10 +133,21 @@ class ServedPolicy:
                               "checkpoint (kvpolicy.save_policy after compile_model)")
 
 
+@cache
+def _source_hash() -> bytes:
+    """kvpolicy's own source: a derived policy is reused only by the code that derived it
+    (the package version does not change between commits of a checkout)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
+        h.update(f.read_bytes())
+    return h.digest()
+
+
 def _cache_key(model_path: str, value: Any) -> str:
     cfg = Path(model_path) / "config.json"
     h = hashlib.sha256()
     h.update(version("kvpolicy").encode())
+    h.update(_source_hash())
     h.update(str(Path(model_path).resolve()).encode())
     h.update(cfg.read_bytes() if cfg.is_file() else b"")
     if isinstance(value, (str, os.PathLike)) and Path(value).is_file():
@@ -170,6 +185,20 @@ def _rope_table(model: torch.nn.Module, policy: ModelPolicy,
         f"keys cached before RoPE ({style} {rdim}), rotated back from vLLM's keys"
 
 
+def paged_budget(spec: PolicySpec) -> PolicySpec:
+    """``spec`` with a stored-bits budget counted per page of ``MIN_BLOCK`` tokens (what vLLM
+    allocates: codes, scales, zeros, each page's stage and sink area) unless it says where
+    to count (``budget_pages`` or ``budget_context``); said once in the log."""
+    d = spec.defaults
+    if d.stored_bits is None or d.budget_pages is not None or d.budget_context is not None:
+        return spec
+    log.warning("kvpolicy: the stored-bits budget %g counts each page of %d tokens as vLLM "
+                "allocates it (codes, scales, zeros, a stage of one key group and the sink "
+                "area in full precision), every layer within it; write budget_pages to "
+                "choose the page", d.stored_bits, MIN_BLOCK)
+    return spec.model_copy(update={"defaults": d.model_copy(update={"budget_pages": MIN_BLOCK})})
+
+
 def _derive(model_path: str, value: Any, max_positions: int) -> ServedPolicy:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -181,7 +210,7 @@ def _derive(model_path: str, value: Any, max_positions: int) -> ServedPolicy:
                     "fall back as compile_model does without one", model_path, e)
         tokenizer = None
     bits = value if isinstance(value, (int, float)) and not isinstance(value, bool) else 2
-    policy = None if isinstance(value, (int, float)) else value
+    policy = None if isinstance(value, (int, float)) else paged_budget(load_spec(value))
     pol = derive_policy(model, bits=bits, policy=policy, calibration=tokenizer,
                         progress=False)
     rope, why = _rope_table(model, pol, max_positions)

@@ -13,6 +13,7 @@ import kvpolicy
 from kvpolicy.calibrate import allocate_joint
 from kvpolicy.errors import PolicyError
 from kvpolicy.policies.footprint import held_tokens, whole_cache
+from kvpolicy.runtime.paged import PagedLayout
 from kvpolicy.zoo.tiny import tiny_model
 
 SMALL = {"residual": 16, "sinks": 2}
@@ -131,3 +132,64 @@ def test_a_whole_cache_budget_below_the_full_precision_tokens_is_refused():
             tiny_model("llama"),
             policy={"defaults": {"stored_bits": 1.2, "budget_context": TOKENS, **SMALL}},
             calibration=_ids(1, 160), progress=False)
+
+
+# --------------------------------------------------------------------------- pages
+
+
+def _page_bytes(pol, block: int) -> list[int]:
+    out = []
+    for layer in pol.layers:
+        k, v = pol.get(layer, "key"), pol.get(layer, "value")
+        lay = PagedLayout(k.quant_spec(), v.quant_spec(), num_kv_heads=k.num_kv_heads,
+                          head_dim=k.head_dim, block_size=block, sinks=k.sinks,
+                          store_dtype=torch.bfloat16)
+        out.append(lay.page_bytes)
+    return out
+
+
+def test_a_budget_per_page_holds_for_every_layers_page():
+    """What vLLM allocates: each layer's page (codes, scales, zeros, a stage of one chunk and
+    the sink area in full precision) within the budget, where the body-only count lets the
+    stage of groups of 128 take most of a page."""
+    model = tiny_model("llama")
+    block, budget = 128, 4.0
+    body = kvpolicy.derive_policy(model, policy={"defaults": {"stored_bits": budget, **SMALL}},
+                                  calibration=_ids(1, 160), progress=False)
+    paged = kvpolicy.derive_policy(
+        model, policy={"defaults": {"stored_bits": budget, "budget_pages": block, **SMALL}},
+        calibration=body.calibration, progress=False)
+    assert paged.budget_pages == block and paged.budget_context is None
+    limit = budget * block * 128 / 8  # 128 elements per token (key + value)
+    align = 16 * 10  # each field of a page starts on 16 bytes
+    for got in _page_bytes(paged, block):
+        assert 0.9 * limit < got <= limit + align
+    assert max(_page_bytes(body, block)) > 1.5 * limit
+    for t in paged.tensors:  # every chunk divides the page
+        assert block % t.quant_spec().token_group == 0
+    assert f"per page of {block} tokens" in paged.get(0, "value").reason
+    assert "the layer's page holds" in paged.get(0, "value").reason
+
+
+@pytest.mark.parametrize("defaults,message", [
+    ({"bits": 2, "budget_pages": 512}, "budget_pages 512.*add stored_bits"),
+    ({"stored_bits": 3.0, "budget_pages": 512, "budget_context": 4096}, "give one of them"),
+    ({"stored_bits": 3.0, "budget_pages": 500}, "multiple of 16"),
+])
+def test_budget_pages_is_refused_where_it_means_nothing(defaults, message):
+    with pytest.raises(PolicyError, match=message):
+        kvpolicy.derive_policy(tiny_model("llama"), policy={"defaults": defaults})
+
+
+def test_the_vllm_plugin_counts_pages_unless_told_otherwise(caplog):
+    from kvpolicy.policies import load_spec
+    from kvpolicy.vllm.policy import MIN_BLOCK, paged_budget
+
+    with caplog.at_level("WARNING", logger="vllm.kvpolicy"):
+        got = paged_budget(load_spec({"defaults": {"stored_bits": 3.0}}))
+    assert got.defaults.budget_pages == MIN_BLOCK
+    assert f"counts each page of {MIN_BLOCK} tokens" in caplog.text
+    for given in ({"stored_bits": 3.0, "budget_context": 4096},
+                  {"stored_bits": 3.0, "budget_pages": 256}, {"bits": 2}):
+        spec = load_spec({"defaults": given})
+        assert paged_budget(spec) is spec
