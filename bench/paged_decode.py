@@ -64,12 +64,14 @@ class Case:
         self.table = torch.randperm(seqs * per, generator=gen).view(seqs, per)
         self.pages = [torch.zeros(seqs * per, self.layout.page_bytes, dtype=torch.uint8)
                       for _ in range(layers)]
-        self.kv = PagedKV(self.layout, scale=D ** -0.5, rope=rope, backend="torch")
+        # One PagedKV per layer, as the plugin has (each keeps its own page views).
+        self.kv = [PagedKV(self.layout, scale=D ** -0.5, rope=rope, backend="torch")
+                   for _ in range(layers)]
         self.seqs, self.n, self.gen = seqs, tokens, gen
         start = [i * tokens for i in range(seqs + 1)]
         batch = SeqBatch(start, [tokens] * seqs, self.table)
-        for pages in self.pages:
-            self.kv.forward(pages, *self._qkv(seqs * tokens), batch)
+        for kv, pages in zip(self.kv, self.pages, strict=True):
+            kv.forward(pages, *self._qkv(seqs * tokens), batch)
 
     def _qkv(self, n: int) -> tuple[torch.Tensor, ...]:
         g = self.gen
@@ -84,8 +86,8 @@ class Case:
         self.n += 1
         batch = SeqBatch(list(range(self.seqs + 1)), [self.n] * self.seqs, self.table)
         t0 = time.perf_counter()
-        for pages, (q, k, v) in zip(self.pages, qkv, strict=True):
-            self.kv.forward(pages, q, k, v, batch)
+        for kv, pages, (q, k, v) in zip(self.kv, self.pages, qkv, strict=True):
+            kv.forward(pages, q, k, v, batch)
         return (time.perf_counter() - t0) / len(self.pages)
 
 

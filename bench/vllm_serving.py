@@ -2,8 +2,9 @@
 
     .venv-vllm/bin/python bench/vllm_serving.py          # make bench-vllm
 
-SmolLM2-135M in bf16 on vLLM's CPU engine, three caches: vLLM's own (bf16, its CPU
-attention), ``{"kvpolicy": 2}`` and ``{"kvpolicy": {"defaults": {"stored_bits": 3.0}}}``.
+SmolLM2-135M in bf16 on vLLM's CPU engine, four caches: vLLM's own (bf16, its CPU
+attention), ``{"kvpolicy": 2}``, ``{"kvpolicy": {"defaults": {"stored_bits": 3.0}}}`` and
+the same budget counted per 512-token page (``budget_pages: 512``).
 Every engine gets the KV memory that holds 8 requests (448 prompt + 128 output tokens) in
 bf16 pages and reports:
 
@@ -30,6 +31,8 @@ CONFIGS = {
     "vLLM bf16": None,
     "kvpolicy bits=2": 2,
     "kvpolicy stored_bits=3.0": {"defaults": {"stored_bits": 3.0}},
+    "kvpolicy stored_bits=3.0 per page": {"defaults": {"stored_bits": 3.0,
+                                                       "budget_pages": 512}},
 }
 
 

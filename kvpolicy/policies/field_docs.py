@@ -104,8 +104,9 @@ _SETTINGS: dict[str, FieldDoc] = {
         "precision stage of one chunk and sink area every page carries, then holds at most "
         "`stored_bits` per element of its tokens, every layer on its own (the engine gives "
         "all layers the largest page). Groups whose chunk does not divide the page are not "
-        "candidates. The vLLM plugin sets it to its block of 512 tokens for a stored-bits "
-        "policy that gives neither this nor `budget_context`.",
+        "candidates; the vLLM plugin's block size becomes the page. On SmolLM2 at 3.0 bits "
+        "per 512-token page this holds 5.50x bf16's tokens at 1.26x its perplexity: each "
+        "page pays about 20 fp16 tokens, and most layers' values fall to 1 bit.",
         512,
         "a multiple of 16 (needs `stored_bits`, excludes `budget_context`); null",
     ),

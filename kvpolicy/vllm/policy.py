@@ -37,7 +37,7 @@ from ..runtime.cache import storage_dtype
 from ..runtime.paged import PagedLayout
 from ..zoo.models import cache_dir
 
-__all__ = ["ServedPolicy", "config_value", "paged_budget", "served_policy"]
+__all__ = ["ServedPolicy", "config_value", "say_page_count", "served_policy"]
 
 log = logging.getLogger("vllm.kvpolicy")  # vLLM's handlers print it
 
@@ -185,18 +185,19 @@ def _rope_table(model: torch.nn.Module, policy: ModelPolicy,
         f"keys cached before RoPE ({style} {rdim}), rotated back from vLLM's keys"
 
 
-def paged_budget(spec: PolicySpec) -> PolicySpec:
-    """``spec`` with a stored-bits budget counted per page of ``MIN_BLOCK`` tokens (what vLLM
-    allocates: codes, scales, zeros, each page's stage and sink area) unless it says where
-    to count (``budget_pages`` or ``budget_context``); said once in the log."""
+def say_page_count(spec: PolicySpec) -> None:
+    """Say once where a stored-bits budget counts when it does not count vLLM's pages: its
+    packed body (or ``budget_context``'s whole cache), not the stage and sink area every
+    page carries, so the engine holds fewer tokens than the number suggests."""
     d = spec.defaults
-    if d.stored_bits is None or d.budget_pages is not None or d.budget_context is not None:
-        return spec
-    log.warning("kvpolicy: the stored-bits budget %g counts each page of %d tokens as vLLM "
-                "allocates it (codes, scales, zeros, a stage of one key group and the sink "
-                "area in full precision), every layer within it; write budget_pages to "
-                "choose the page", d.stored_bits, MIN_BLOCK)
-    return spec.model_copy(update={"defaults": d.model_copy(update={"budget_pages": MIN_BLOCK})})
+    if d.stored_bits is None or d.budget_pages is not None:
+        return
+    log.warning("kvpolicy: the stored-bits budget %g counts %s, not the full-precision stage "
+                "and sink area every page carries, so vLLM holds fewer tokens than %g bits "
+                "would; write budget_pages: %d to count pages (every layer's page within the "
+                "budget on its own: more tokens, lower quality, docs/serving.md)",
+                d.stored_bits, "the packed body" if d.budget_context is None else
+                f"the whole cache at {d.budget_context} tokens", d.stored_bits, MIN_BLOCK)
 
 
 def _derive(model_path: str, value: Any, max_positions: int) -> ServedPolicy:
@@ -210,7 +211,9 @@ def _derive(model_path: str, value: Any, max_positions: int) -> ServedPolicy:
                     "fall back as compile_model does without one", model_path, e)
         tokenizer = None
     bits = value if isinstance(value, (int, float)) and not isinstance(value, bool) else 2
-    policy = None if isinstance(value, (int, float)) else paged_budget(load_spec(value))
+    policy = None if isinstance(value, (int, float)) else load_spec(value)
+    if policy is not None:
+        say_page_count(policy)
     pol = derive_policy(model, bits=bits, policy=policy, calibration=tokenizer,
                         progress=False)
     rope, why = _rope_table(model, pol, max_positions)

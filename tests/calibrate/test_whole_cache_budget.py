@@ -181,15 +181,16 @@ def test_budget_pages_is_refused_where_it_means_nothing(defaults, message):
         kvpolicy.derive_policy(tiny_model("llama"), policy={"defaults": defaults})
 
 
-def test_the_vllm_plugin_counts_pages_unless_told_otherwise(caplog):
+def test_the_vllm_plugin_says_what_a_stored_budget_does_not_count(caplog):
     from kvpolicy.policies import load_spec
-    from kvpolicy.vllm.policy import MIN_BLOCK, paged_budget
+    from kvpolicy.vllm.policy import MIN_BLOCK, say_page_count
 
     with caplog.at_level("WARNING", logger="vllm.kvpolicy"):
-        got = paged_budget(load_spec({"defaults": {"stored_bits": 3.0}}))
-    assert got.defaults.budget_pages == MIN_BLOCK
-    assert f"counts each page of {MIN_BLOCK} tokens" in caplog.text
-    for given in ({"stored_bits": 3.0, "budget_context": 4096},
-                  {"stored_bits": 3.0, "budget_pages": 256}, {"bits": 2}):
-        spec = load_spec({"defaults": given})
-        assert paged_budget(spec) is spec
+        say_page_count(load_spec({"defaults": {"stored_bits": 3.0}}))
+    assert "counts the packed body" in caplog.text
+    assert f"write budget_pages: {MIN_BLOCK}" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vllm.kvpolicy"):
+        say_page_count(load_spec({"defaults": {"stored_bits": 3.0, "budget_pages": 512}}))
+        say_page_count(load_spec({"defaults": {"bits": 2}}))
+    assert caplog.text == ""
