@@ -70,6 +70,9 @@ def configure_engine(vllm_config: Any) -> None:
             f"kvpolicy: block_size {cc.block_size} is not a multiple of the policy's key "
             f"group of {chunk} tokens, so a group would span two blocks; pass block_size="
             f"{served.default_block_size()} (or leave it unset)")
+    note = served.page_count_note()
+    if note is not None:
+        log.warning(note)
     res = {t.residual for t in served.policy.tensors if t.bits < 16}
     if res and max(res) > 0:
         log.warning("kvpolicy: the policy's residual window of %d tokens is served as the "

@@ -32,12 +32,12 @@ import torch
 from ..api import derive_policy
 from ..errors import KVPolicyError, PolicyError
 from ..kernels.layout import QuantSpec, RotarySpec
-from ..policies import ModelPolicy, PolicySpec, load_spec
+from ..policies import ModelPolicy
 from ..runtime.cache import storage_dtype
 from ..runtime.paged import PagedLayout
 from ..zoo.models import cache_dir
 
-__all__ = ["ServedPolicy", "config_value", "say_page_count", "served_policy"]
+__all__ = ["ServedPolicy", "config_value", "served_policy"]
 
 log = logging.getLogger("vllm.kvpolicy")  # vLLM's handlers print it
 
@@ -115,6 +115,21 @@ class ServedPolicy:
         step = math.lcm(chunk, 32)
         return step * max(1, -(-max(MIN_BLOCK, 8 * chunk) // step))
 
+    def page_count_note(self) -> str | None:
+        """What a stored-bits budget that does not count vLLM's pages leaves out (the
+        stage and sink area every page carries), for the log; None where it counts them
+        or there is no such budget."""
+        pol = self.policy
+        if pol.budget is None or pol.budget_unit != "stored" or pol.budget_pages is not None:
+            return None
+        counted = ("the packed body" if pol.budget_context is None else
+                   f"the whole cache at {pol.budget_context} tokens")
+        return (f"kvpolicy: the stored-bits budget {pol.budget:g} counts {counted}, not the "
+                "full-precision stage and sink area every page carries, so vLLM holds fewer "
+                f"tokens than {pol.budget:g} bits would; write budget_pages: {MIN_BLOCK} to "
+                "count pages (every layer's page within the budget on its own: more tokens, "
+                "lower quality, docs/serving.md)")
+
     def check_model(self, *, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         """Refuse a policy that does not fit the served model, naming the mismatch."""
         problems = []
@@ -185,21 +200,6 @@ def _rope_table(model: torch.nn.Module, policy: ModelPolicy,
         f"keys cached before RoPE ({style} {rdim}), rotated back from vLLM's keys"
 
 
-def say_page_count(spec: PolicySpec) -> None:
-    """Say once where a stored-bits budget counts when it does not count vLLM's pages: its
-    packed body (or ``budget_context``'s whole cache), not the stage and sink area every
-    page carries, so the engine holds fewer tokens than the number suggests."""
-    d = spec.defaults
-    if d.stored_bits is None or d.budget_pages is not None:
-        return
-    log.warning("kvpolicy: the stored-bits budget %g counts %s, not the full-precision stage "
-                "and sink area every page carries, so vLLM holds fewer tokens than %g bits "
-                "would; write budget_pages: %d to count pages (every layer's page within the "
-                "budget on its own: more tokens, lower quality, docs/serving.md)",
-                d.stored_bits, "the packed body" if d.budget_context is None else
-                f"the whole cache at {d.budget_context} tokens", d.stored_bits, MIN_BLOCK)
-
-
 def _derive(model_path: str, value: Any, max_positions: int) -> ServedPolicy:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -211,9 +211,7 @@ def _derive(model_path: str, value: Any, max_positions: int) -> ServedPolicy:
                     "fall back as compile_model does without one", model_path, e)
         tokenizer = None
     bits = value if isinstance(value, (int, float)) and not isinstance(value, bool) else 2
-    policy = None if isinstance(value, (int, float)) else load_spec(value)
-    if policy is not None:
-        say_page_count(policy)
+    policy = None if isinstance(value, (int, float)) else value
     pol = derive_policy(model, bits=bits, policy=policy, calibration=tokenizer,
                         progress=False)
     rope, why = _rope_table(model, pol, max_positions)

@@ -181,16 +181,18 @@ def test_budget_pages_is_refused_where_it_means_nothing(defaults, message):
         kvpolicy.derive_policy(tiny_model("llama"), policy={"defaults": defaults})
 
 
-def test_the_vllm_plugin_says_what_a_stored_budget_does_not_count(caplog):
-    from kvpolicy.policies import load_spec
-    from kvpolicy.vllm.policy import MIN_BLOCK, say_page_count
+def test_the_vllm_plugin_says_what_a_stored_budget_does_not_count():
+    import kvpolicy.vllm.policy as served
 
-    with caplog.at_level("WARNING", logger="vllm.kvpolicy"):
-        say_page_count(load_spec({"defaults": {"stored_bits": 3.0}}))
-    assert "counts the packed body" in caplog.text
-    assert f"write budget_pages: {MIN_BLOCK}" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="vllm.kvpolicy"):
-        say_page_count(load_spec({"defaults": {"stored_bits": 3.0, "budget_pages": 512}}))
-        say_page_count(load_spec({"defaults": {"bits": 2}}))
-    assert caplog.text == ""
+    model = tiny_model("llama")
+    body = kvpolicy.derive_policy(model, policy={"defaults": {"stored_bits": 4.0, **SMALL}},
+                                  calibration=_ids(1, 160), progress=False)
+    note = served.ServedPolicy(body, None, "", torch.float32).page_count_note()
+    assert note is not None and "counts the packed body" in note
+    assert f"write budget_pages: {served.MIN_BLOCK}" in note
+    paged = kvpolicy.derive_policy(
+        model, policy={"defaults": {"stored_bits": 4.0, "budget_pages": 128, **SMALL}},
+        calibration=body.calibration, progress=False)
+    for pol in (paged, kvpolicy.derive_policy(model, bits=2, progress=False)):
+        assert served.ServedPolicy(pol, None, "", torch.float32).page_count_note() is None
+    assert served.ServedPolicy(paged, None, "", torch.float32).default_block_size() == 128
