@@ -39,7 +39,8 @@ import torch
 from ..errors import PolicyError
 from ..policies import FULL_PRECISION, stored_bits
 
-__all__ = ["allocate", "allocate_joint", "allocate_stored", "solve", "stored_bits"]
+__all__ = ["allocate", "allocate_joint", "allocate_stored", "exact_stored_bits", "solve",
+           "stored_bits"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -193,7 +194,8 @@ def allocate_stored(
     per_tensor = [scale_bits] * len(errors) if isinstance(scale_bits, int) else list(scale_bits)
     if len(per_tensor) != len(errors):
         raise ValueError(f"{len(per_tensor)} scale widths for {len(errors)} tensors")
-    exact = [{o: sizes[i] * _stored_exact(o[0], o[1], o[2] if len(o) > 2 else per_tensor[i])
+    exact = [{o: sizes[i] * exact_stored_bits(o[0], o[1],
+                                              o[2] if len(o) > 2 else per_tensor[i])
               for o in errs} for i, errs in enumerate(errors)]
     denom = math.lcm(*(f.denominator for row in exact for f in row.values()))
     units = [{o: int(f * denom) for o, f in row.items()} for row in exact]
@@ -223,7 +225,7 @@ def allocate_stored(
     return out
 
 
-def _stored_exact(bits: int, group_size: int, scale_bits: int) -> Fraction:
+def exact_stored_bits(bits: int, group_size: int, scale_bits: int) -> Fraction:
     """:func:`stored_bits` as an exact fraction (a float of 32/24 would make the common
     denominator of the sizes astronomically large)."""
     if bits >= FULL_PRECISION:
@@ -233,7 +235,7 @@ def _stored_exact(bits: int, group_size: int, scale_bits: int) -> Fraction:
 
 def allocate_joint(
     errors: Sequence[Sequence[Mapping[Option, float]]],
-    size: Callable[[int, tuple[Option, ...]], int],
+    size: Callable[[int, tuple[Option, ...]], int | None],
     capacity: int,
     resolution: int = 1 << 14,
 ) -> list[tuple[Option, ...]]:
@@ -243,7 +245,8 @@ def allocate_joint(
 
     Args:
         errors: per group, per tensor ``{option: error}``.
-        size: ``size(group, options)``, the group's size in bits for one option per tensor.
+        size: ``size(group, options)``, the group's size in bits for one option per tensor,
+            or None where those options cannot go together (left out).
         capacity: bits available to all groups.
         resolution: the budget is cut into this many units; each group's size is rounded
             up to a unit, so the result never exceeds ``capacity`` and wastes at most one
@@ -253,14 +256,21 @@ def allocate_joint(
         Per group, its tensors' options. Deterministic.
 
     Raises:
-        PolicyError: the smallest choices of every group exceed ``capacity``.
+        PolicyError: a group has no options that go together, or the smallest choices of
+            every group exceed ``capacity``.
     """
     fronts = []
     for g, tables in enumerate(errors):
         joint = []
         for combo in itertools.product(*(sorted(t.items()) for t in tables)):
             opts = tuple(o for o, _ in combo)
-            joint.append((size(g, opts), sum(e for _, e in combo), opts))
+            s = size(g, opts)
+            if s is not None:
+                joint.append((s, sum(e for _, e in combo), opts))
+        if not joint:
+            raise PolicyError(f"layer {g}: no choice of its tensors' options fits together "
+                              "(e.g. no key group whose chunk divides the page); allow other "
+                              "group sizes")
         joint.sort(key=lambda x: (x[0], x[1]))
         front, least = [], math.inf  # only choices that cost less error than every smaller
         for s, e, o in joint:

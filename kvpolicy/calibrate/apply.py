@@ -36,7 +36,7 @@ from ..policies import Calibration, ModelPolicy, PolicySpec, TensorPolicy, store
 from ..policies.footprint import held_tokens
 from . import budget as measure
 from . import channels
-from .allocate import allocate, allocate_joint, allocate_stored
+from .allocate import allocate, allocate_joint, allocate_stored, exact_stored_bits
 from .capture import LayerActivations, reduce_activations
 
 __all__ = ["ROTATION_GAIN", "LEVELS_GAIN", "apply_budget", "budget_policy", "channel_text",
@@ -245,33 +245,46 @@ def _meta_text(t: TensorPolicy, o: Option, opts: dict[Option, float]) -> str:
             "allocator prices each by its stored bits)")
 
 
+def _layer_pairs(policy: ModelPolicy) -> list[tuple[TensorPolicy, TensorPolicy]]:
+    """Each layer's (key, value) policies (tensors are in layer order, key first)."""
+    t = policy.tensors
+    return [(t[i], t[i + 1]) for i in range(0, len(t), 2)]
+
+
+def _chunk(pair: tuple[TensorPolicy, TensorPolicy], opts: tuple[Option, ...]) -> int:
+    """The packing chunk of a layer at these options: the lcm of their token groups (a
+    tensor grouped per channel and quantized groups ``group`` tokens, else 1)."""
+    return math.lcm(*(o[1] if t.axis.value == "channel" and o[0] < 16 else 1
+                      for t, o in zip(pair, opts, strict=True)))
+
+
+def _body_bits(pair: tuple[TensorPolicy, TensorPolicy], opts: tuple[Option, ...],
+               meta: list[int], layer: int) -> Fraction:
+    """Stored bits of one packed token of the layer at these options (an option's own
+    metadata width where it names one, else the tensor's ``meta``)."""
+    return sum((t.elements_per_token * exact_stored_bits(o[0], o[1], o[2] if len(o) > 2
+                                                         else meta[2 * layer + j])
+                for j, (t, o) in enumerate(zip(pair, opts, strict=True))), Fraction(0))
+
+
 def _whole_cache_sizes(policy: ModelPolicy, meta: list[int], context: int
                        ) -> tuple[Callable[[int, tuple[Option, ...]], int], int]:
     """For a whole-cache budget at ``context`` tokens: ``size(layer, (key option, value
-    option))``, the bits that layer holds (policies.footprint's schedule: the chunk is the
-    lcm of the options' token groups; sinks, residual and incomplete chunk at 16 bits), and
-    the elements every layer keeps whatever the options (what an fp16 cache holds)."""
-    pairs = [policy.tensors[i : i + 2] for i in range(0, len(policy.tensors), 2)]
+    option))``, the bits that layer holds (policies.footprint's schedule; sinks, residual
+    and incomplete chunk at 16 bits), and the elements every layer keeps whatever the
+    options (what an fp16 cache holds)."""
+    pairs = _layer_pairs(policy)
     windows = policy.windows or (None,) * len(pairs)
-
-    def token_group(t: TensorPolicy, o: Option) -> int:
-        return o[1] if t.axis.value == "channel" and o[0] < 16 else 1
 
     def size(layer: int, opts: tuple[Option, ...]) -> int:
         (key, value), window = pairs[layer], windows[layer]
         if all(o[0] >= 16 for o in opts):
             held = held_tokens(context, 0, context, 1, window)
         else:
-            chunk = math.lcm(*(token_group(t, o) for t, o in zip(pairs[layer], opts,
-                                                                   strict=True)))
-            held = held_tokens(context, key.sinks, key.residual, chunk, window)
-        bits = Fraction(0)
-        for j, (t, o) in enumerate(zip((key, value), opts, strict=True)):
-            mb = o[2] if len(o) > 2 else meta[2 * layer + j]
-            per = o[0] if o[0] >= 16 else o[0] + Fraction(2 * mb, o[1])
-            bits += t.elements_per_token * (held.packed * per + (held.sinks + held.residual)
-                                            * 16)
-        return math.ceil(bits)
+            held = held_tokens(context, key.sinks, key.residual, _chunk(pairs[layer], opts),
+                               window)
+        fp = (held.sinks + held.residual) * (key.elements_per_token + value.elements_per_token)
+        return math.ceil(held.packed * _body_bits(pairs[layer], opts, meta, layer) + 16 * fp)
 
     elements = sum(held_tokens(context, 0, context, 1, w).total
                    * (k.elements_per_token + v.elements_per_token)
@@ -285,27 +298,19 @@ def _page_sizes(policy: ModelPolicy, meta: list[int], pages: int
     option))``, the bits of that layer's page as ``runtime.paged.PagedLayout`` lays it out
     (less the alignment of its fields), None where the options' chunk does not divide the
     page; and per layer the elements a page holds."""
-    pairs = [policy.tensors[i : i + 2] for i in range(0, len(policy.tensors), 2)]
-
-    def token_group(t: TensorPolicy, o: Option) -> int:
-        return o[1] if t.axis.value == "channel" and o[0] < 16 else 1
+    pairs = _layer_pairs(policy)
 
     def size(layer: int, opts: tuple[Option, ...]) -> int | None:
         key, value = pairs[layer]
         e = key.elements_per_token + value.elements_per_token
         if all(o[0] >= 16 for o in opts):
             return pages * e * 16
-        chunk = math.lcm(*(token_group(t, o) for t, o in zip(pairs[layer], opts,
-                                                               strict=True)))
+        chunk = _chunk(pairs[layer], opts)
         if pages % chunk:
             return None
-        bits = Fraction(0)
-        for j, (t, o) in enumerate(zip((key, value), opts, strict=True)):
-            mb = o[2] if len(o) > 2 else meta[2 * layer + j]
-            per = o[0] if o[0] >= 16 else o[0] + Fraction(2 * mb, o[1])
-            bits += t.elements_per_token * pages * per
         stage = chunk if chunk > 1 else 0
-        return math.ceil(bits) + (stage + key.sinks) * e * 16
+        return (math.ceil(pages * _body_bits(pairs[layer], opts, meta, layer))
+                + (stage + key.sinks) * e * 16)
 
     return size, [pages * (k.elements_per_token + v.elements_per_token) for k, v in pairs]
 
@@ -352,28 +357,28 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
     # Each tensor's scale and zero: the cache dtype's, or a byte with 8-bit metadata (an
     # option (width, group, 8) says so itself).
     meta = [8 * t.meta_bytes(scale_bits // 8) for t in tensors]
-    if pages is not None:
-        page_size, elements = _page_sizes(policy, meta, pages)
+    pairs = [options[i : i + 2] for i in range(0, len(options), 2)]
+    size: Callable[[int, tuple[Option, ...]], int | None] | None = None
+    held_text = ""
+    if pages is not None:  # every layer's page within the budget on its own
+        size, per_page = _page_sizes(policy, meta, pages)
         chosen = []
-        for layer in range(len(options) // 2):
-            pair = options[2 * layer : 2 * layer + 2]
-            fits = [{o: e for o, e in pair[0].items()
-                     if any(page_size(layer, (o, v)) is not None for v in pair[1])}, pair[1]]
-            got = allocate_joint(
-                [fits], lambda _, opts, at=layer: page_size(at, opts) or 1 << 62,
-                math.floor(budget * elements[layer] + 1e-9))
-            chosen += list(got[0])
-        size = page_size  # type: ignore[assignment]
+        for layer, pair in enumerate(pairs):
+            got = allocate_joint([pair], lambda _, opts, at=layer: size(at, opts),
+                                 math.floor(budget * per_page[layer] + 1e-9))
+            chosen += got[0]
         budget_text = f"stored-bits budget {budget:g} per page of {pages} tokens"
+        held_text = "the layer's page holds {:,.0f} bytes, its stage and sink area included"
     elif context is None:
         chosen = allocate_stored(options, sizes, budget, meta)
         budget_text = f"stored-bits budget {budget:g}"
     else:
         size, elements = _whole_cache_sizes(policy, meta, context)
-        pairs = [options[i : i + 2] for i in range(0, len(options), 2)]
         picked = allocate_joint(pairs, size, math.floor(budget * elements + 1e-9))
         chosen = [o for pair in picked for o in pair]
         budget_text = f"stored-bits budget {budget:g} over the whole cache at {context:,} tokens"
+        held_text = (f"the layer holds {{:,.0f}} bytes per batch row at {context:,} tokens, "
+                     "sinks, residual and incomplete chunk included")
     out = []
     for i, (t, o) in enumerate(zip(tensors, chosen, strict=True)):
         w, g = o[:2]
@@ -390,14 +395,8 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
         else:
             reason = (f"{t.reason}; {budget_text}: {what}, from the measured "
                       f"{calibration.metric} of quantizing this tensor alone")
-        if context is not None and i % 2 == 1:  # the layer's whole cache, on its value
-            held = size(i // 2, (chosen[i - 1], o))
-            reason += (f"; the layer holds {held / 8:,.0f} bytes per batch row at "
-                       f"{context:,} tokens, sinks, residual and incomplete chunk included")
-        if pages is not None and i % 2 == 1:
-            held = size(i // 2, (chosen[i - 1], o))
-            reason += (f"; the layer's page holds {held / 8:,.0f} bytes, its stage and "
-                       "sink area included")
+        if size is not None and i % 2 == 1:  # what the layer holds, on its value
+            reason += "; " + held_text.format(size(i // 2, (chosen[i - 1], o)) / 8)
         same_meta = [x for x in options[i] if len(x) == len(o)]
         if t.group_sizes and w < 16:
             at_w = " · ".join(

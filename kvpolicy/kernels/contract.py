@@ -35,6 +35,7 @@ __all__ = [
     "MergePartials",
     "DecodeAttention",
     "compose_decode",
+    "gather_page_rows",
     "gather_pages",
     "quantize_in_blocks",
 ]
@@ -82,17 +83,19 @@ class DecodeAttention(Protocol):
     ) -> Partial: ...
 
 
+def gather_page_rows(x: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """The pages ``x [num_blocks, Hkv, rows, ...]`` that ``block_table [B, nb]`` names as one
+    segment ``[B, Hkv, nb * rows, ...]``: batch row ``b`` its pages ``block_table[b, 0],
+    ..., block_table[b, nb - 1]`` in order (a copy)."""
+    y = x[block_table].transpose(1, 2)  # [B, Hkv, nb, rows, ...]
+    return y.reshape(y.shape[0], y.shape[1], -1, *y.shape[4:])
+
+
 def gather_pages(p: Packed, block_table: torch.Tensor) -> Packed:
-    """The packed segment that ``block_table [B, nb]`` names in the pages ``p``
-    (``[num_blocks, Hkv, rows, ...]`` per field): ``[B, Hkv, nb * rows, ...]``, batch row
-    ``b`` its pages ``block_table[b, 0], ..., block_table[b, nb - 1]`` in order (a copy).
-    What a backend without paged reads does with ``decode_attention(block_table=...)``."""
-    def one(x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == 0:  # a full-precision "segment" has no scale or zero
-            return x
-        y = x[block_table].transpose(1, 2)  # [B, Hkv, nb, rows, ...]
-        return y.reshape(y.shape[0], y.shape[1], -1, *y.shape[4:])
-    return Packed(one(p.codes), one(p.scale), one(p.zero))
+    """:func:`gather_page_rows` of every field of the packed pages ``p`` (a full-precision
+    "segment" has no scale or zero: kept empty). What a backend without paged reads does
+    with ``decode_attention(block_table=...)``."""
+    return Packed(*(x if x.numel() == 0 else gather_page_rows(x, block_table) for x in p))
 
 
 @dataclass(frozen=True, eq=False)

@@ -189,20 +189,16 @@ class Defaults(Frozen):
                 "stored_bits",
                 "bits",
             )
-        if self.budget_context is not None and self.stored_bits is None:
-            raise invalid(
-                "budget_context",
-                f"budget_context {self.budget_context} says at how many tokens a stored-bits "
-                "budget counts the whole cache, and there is no stored_bits; add "
-                "stored_bits: 3.0, or drop budget_context",
-            )
-        if self.budget_pages is not None and self.stored_bits is None:
-            raise invalid(
-                "budget_pages",
-                f"budget_pages {self.budget_pages} says how large the pages are that a "
-                "stored-bits budget counts, and there is no stored_bits; add "
-                "stored_bits: 3.0, or drop budget_pages",
-            )
+        for name, says in (("budget_context", "at how many tokens a stored-bits budget "
+                                              "counts the whole cache"),
+                           ("budget_pages", "how large the pages are that a stored-bits "
+                                            "budget counts")):
+            if getattr(self, name) is not None and self.stored_bits is None:
+                raise invalid(
+                    name,
+                    f"{name} {getattr(self, name)} says {says}, and there is no "
+                    f"stored_bits; add stored_bits: 3.0, or drop {name}",
+                )
         if self.budget_pages is not None and self.budget_context is not None:
             raise invalid(
                 "budget_pages",

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from ..errors import CacheError
 from ..kernels.backend import select
+from ..kernels.contract import gather_page_rows
 from ..kernels.layout import Packed, QuantSpec, RotarySpec
 from ..kernels.rotation import rotation_matrix
 
@@ -315,12 +316,6 @@ class PagedKV:
         zero = torch.zeros((), dtype=torch.float32, device=qpos.device)
         return torch.where(see, zero, float("-inf")).unsqueeze(1)
 
-    def _gather(self, views: dict, name: str, blocks: torch.Tensor) -> torch.Tensor:
-        """Field ``name`` of ``blocks [B, nb]`` as one segment ``[B, H, nb * rows, ...]``."""
-        x = views[name][blocks]  # [B, nb, H, rows, ...]
-        x = x.transpose(1, 2)
-        return x.reshape(x.shape[0], x.shape[1], -1, *x.shape[4:])
-
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of a sequence's first tokens over themselves, in full
         precision: torch's fused SDPA (no ``T x T`` scores), as ``PackedKVLayer`` does.
@@ -412,8 +407,8 @@ class PagedKV:
         fks, fvs = [], []
         blocks = ix["blocks"]
         if blocks is not None and lay.full_precision:
-            fks.append(self._gather(views, "k", blocks))
-            fvs.append(self._gather(views, "v", blocks))
+            fks.append(gather_page_rows(views["k"], blocks))
+            fvs.append(gather_page_rows(views["v"], blocks))
         elif blocks is not None:
             pk = self._pages(views, "k", lay.key_spec)
             pv = self._pages(views, "v", lay.value_spec)

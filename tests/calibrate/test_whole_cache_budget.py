@@ -63,6 +63,19 @@ def test_allocate_joint_finds_the_least_error_within_the_capacity(seed):
     assert err == pytest.approx(best, rel=1e-12)
 
 
+def test_allocate_joint_leaves_out_options_that_do_not_go_together():
+    # (2, 2) would be the least error within the capacity, but does not go together.
+    tables = [[{(1, 1): 1.0, (2, 1): 0.1}, {(1, 2): 1.0, (2, 2): 0.1}]]
+
+    def size(g, opts):
+        (wa, _), (wb, _) = opts
+        return None if (wa, wb) == (2, 2) else 10 * (wa + wb)
+
+    assert allocate_joint(tables, size, 100) in ([((2, 1), (1, 2))], [((1, 1), (2, 2))])
+    with pytest.raises(PolicyError, match="layer 0: no choice of its tensors' options"):
+        allocate_joint(tables, lambda g, o: None, 100)
+
+
 def test_allocate_joint_refuses_a_capacity_below_the_smallest_choices():
     tables = [[{(1, 1): 1.0, (2, 1): 0.5}]]
     with pytest.raises(PolicyError, match="needs 10"):
