@@ -38,6 +38,7 @@ __all__ = [
     "gather_page_rows",
     "gather_pages",
     "quantize_in_blocks",
+    "rope_rotate",
 ]
 
 Partial = tuple[torch.Tensor, torch.Tensor]  # (out [B, Hq, Tq, Dv], lse [B, Hq, Tq]), fp32
@@ -212,3 +213,19 @@ def quantize_in_blocks(
     parts = [quantize(x[:, :, i : i + tokens], spec, dtype) for i in range(0, x.shape[2], tokens)]
     fields = zip(*parts, strict=True)  # full-precision specs: empty scale and zero
     return Packed(*(torch.cat(f, dim=2) if f[0].numel() else f[0] for f in fields))
+
+
+def rope_rotate(xf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rope: RotarySpec) -> torch.Tensor:
+    """fp32 ``xf [..., D]`` rotated by ``cos``/``sin`` rows (``[..., rotary_dim]``,
+    broadcast against it) in ``rope``'s style; channels ``>= rotary_dim`` pass through."""
+    r = rope.rotary_dim
+    xr = xf[..., :r]
+    if rope.style == "rotate_half":
+        rot = torch.cat((-xr[..., r // 2 :], xr[..., : r // 2]), dim=-1)
+    elif rope.style == "interleaved":
+        rot = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        raise CacheError(f"unknown rotary style {rope.style!r}; use rotate_half or interleaved")
+    out = xr * cos + rot * sin
+    return out if r == xf.shape[-1] else torch.cat((out, xf[..., r:]), dim=-1)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import CacheError
-from .contract import Backend, compose_decode
+from .contract import Backend, compose_decode, rope_rotate
 from .layout import (
     FIT_STEPS,
     ZERO_STEPS,
@@ -427,18 +427,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, rope: RotarySpec) -> to
             f"positions must be [B, T] = {(x.shape[0], x.shape[2])}, got {tuple(positions.shape)}"
         )
     cos, sin = rope_tables(rope, positions)
-    cos = cos.to(x.device, torch.float32)
-    sin = sin.to(x.device, torch.float32)
-    xf = x.float()
-    xr, rest = xf[..., :r], xf[..., r:]
-    if rope.style == "rotate_half":
-        rot = torch.cat((-xr[..., r // 2 :], xr[..., : r // 2]), dim=-1)
-    elif rope.style == "interleaved":
-        rot = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
-    else:
-        raise CacheError(f"unknown rotary style {rope.style!r}; use rotate_half or interleaved")
-    out = torch.cat((xr * cos + rot * sin, rest), dim=-1)
-    return out.to(x.dtype)
+    return rope_rotate(x.float(), cos.to(x.device, torch.float32), sin.to(x.device, torch.float32),
+                  rope).to(x.dtype)
 
 
 # --------------------------------------------------------------------------- attention

@@ -34,6 +34,7 @@ does.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 
 from ..errors import CacheError
 from ..kernels.backend import select
-from ..kernels.contract import gather_page_rows
+from ..kernels.contract import gather_page_rows, rope_rotate
 from ..kernels.layout import Packed, QuantSpec, RotarySpec
 from ..kernels.rotation import rotation_matrix
 
@@ -216,7 +217,8 @@ class SeqBatch:
             single = [i for i in range(self.n) if self.query_len(i) == 1]
             rows = sub = None
             if single:
-                rows = torch.tensor([self.query_start[i] for i in single], device=device)
+                rows = (slice(None) if len(single) == self.n else  # all decoding: views
+                        torch.tensor([self.query_start[i] for i in single], device=device))
                 sub = SeqBatch(list(range(len(single) + 1)),
                                [self.seq_lens[i] for i in single],
                                self.block_table[torch.tensor(single, device=device)])
@@ -240,20 +242,23 @@ class PagedKV:
         window: sliding window W (query ``i`` sees keys ``i - W < j <= i``), or None.
         softcap: logit soft-capping, or None.
         backend: kernel backend name (``kernels.backend``).
+        prefill: the engine's fused causal attention for sequences whose cache is empty,
+            ``prefill(q, k, v, lens, scale=, window=, softcap=)`` over token-major rows
+            (``lens``: each sequence's tokens, in order) returning ``[N, Hq, Dv]`` fp32;
+            None: torch's SDPA per sequence.
     """
 
     def __init__(
         self, layout: PagedLayout, *, scale: float, rope: RotarySpec | None = None,
         value_rotation: str = "none", window: int | None = None,
         softcap: float | None = None, backend: str = "auto",
+        prefill: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         self.layout, self.scale, self.window, self.softcap = layout, scale, window, softcap
         # Full-precision keys gain nothing from being stored before RoPE: keep them as given.
         self.rope = None if layout.key_spec.full_precision else rope
-        self.inverse = None if self.rope is None else RotarySpec(
-            self.rope.style, self.rope.rotary_dim, self.rope.cos, -self.rope.sin)
         self.value_rotation = value_rotation
-        self.backend = backend
+        self.backend, self.prefill = backend, prefill
         self._views: tuple[tuple, dict[str, torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------ step
@@ -276,9 +281,8 @@ class PagedKV:
         pos = batch.positions(q.device)
         store = lay.store_dtype
         given = k  # as the engine rotated it: what a first prefill attends with
-        if self.inverse is not None:  # rotated keys back to pre-RoPE, at their positions
-            k = kern.apply_rope(k.transpose(0, 1).unsqueeze(0).float(), pos.unsqueeze(0),
-                                self.inverse)[0].transpose(0, 1)
+        if self.rope is not None:  # rotated keys back to pre-RoPE, at their positions
+            k = rope_rotate(k.float(), *self._inverse_rows(batch, pos), self.rope)
         rot = rotation_matrix(self.value_rotation, v.shape[-1], v.device)
         if rot is not None:
             v = v.float() @ rot
@@ -289,20 +293,33 @@ class PagedKV:
             o = self._attend(kern, views, q[rows].unsqueeze(2), k[rows].unsqueeze(2),
                              v[rows].unsqueeze(2), single)
             out[rows] = o[:, :, 0]
-            self._append(kern, views, k[rows], v[rows], single)
+        fresh = []  # sequences whose cache is empty: their own tokens only
         for i, a, n, sub in many:
-            qi, ki, vi = q[a : a + n], k[a : a + n], v[a : a + n]
-            qi, ki4, vi4 = (x.transpose(0, 1).unsqueeze(0) for x in (qi, ki, vi))
-            if batch.seq_lens[i] == n and self.softcap is None:
-                # an empty cache: its own tokens only, keys as the engine rotated them
-                o = self._prefill(qi, given[a : a + n].transpose(0, 1).unsqueeze(0), vi4)
-            else:
-                o = self._attend(kern, views, qi, ki4, vi4, sub)
-            out[a : a + n] = o[0].transpose(0, 1)
-            self._append(kern, views, ki, vi, sub)
+            if batch.seq_lens[i] == n and (self.prefill is not None or self.softcap is None):
+                fresh.append((a, n))
+                continue
+            qi, ki, vi = (x[a : a + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            out[a : a + n] = self._attend(kern, views, qi, ki, vi, sub)[0].transpose(0, 1)
+        if fresh:
+            self._fresh(out, q, given, v, fresh)
+        # One append for the whole step (sequences never share a page).
+        self._append(kern, views, k, v, batch)
         if rot is not None:
             out = out @ rot.T
         return out.to(q.dtype)
+
+    def _inverse_rows(self, batch: SeqBatch, pos: torch.Tensor) -> tuple:
+        """cos and -sin at the step's positions, ``[N, 1, rotary_dim]`` fp32: what rotates
+        the engine's keys back (gathered once per step for every layer with this table)."""
+        rope = self.rope
+
+        def make() -> tuple:
+            if pos.numel() and int(pos.max()) >= rope.max_positions:
+                raise CacheError(f"position {int(pos.max())} is past the rotary table's "
+                                 f"{rope.max_positions} rows")
+            return (rope.cos[pos].to(pos.device, torch.float32)[:, None],
+                    -rope.sin[pos].to(pos.device, torch.float32)[:, None])
+        return batch.cached(("inverse", rope.cos.data_ptr(), rope.sin.data_ptr()), make)
 
     # ------------------------------------------------------------------ attention
 
@@ -316,18 +333,34 @@ class PagedKV:
         zero = torch.zeros((), dtype=torch.float32, device=qpos.device)
         return torch.where(see, zero, float("-inf")).unsqueeze(1)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of a sequence's first tokens over themselves, in full
-        precision: torch's fused SDPA (no ``T x T`` scores), as ``PackedKVLayer`` does.
-        ``k`` is post-RoPE."""
-        mask = None
-        if self.window is not None:
-            t = torch.arange(q.shape[2], device=q.device)
-            mask = (t[None] <= t[:, None]) & (t[None] > t[:, None] - self.window)
+    def _fresh(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               spans: list[tuple[int, int]]) -> None:
+        """Sequences with an empty cache (token ``spans`` ``(start, n)``) attend causally
+        over their own tokens in full precision, keys as the engine rotated them: the
+        engine's fused kernel for all of them in one call where it gave one (``prefill``),
+        else torch's fused SDPA (no ``T x T`` scores) per sequence, as ``PackedKVLayer``
+        does."""
+        if self.prefill is not None:
+            a0, n_all = spans[0][0], sum(n for _, n in spans)
+            if all(a == b + m for (a, _), (b, m) in zip(spans[1:], spans, strict=False)):
+                ix = slice(a0, a0 + n_all)  # one run of tokens: no copy
+            else:
+                ix = torch.cat([torch.arange(a, a + n) for a, n in spans]).to(q.device)
+            out[ix] = self.prefill(q[ix], k[ix], v[ix], [n for _, n in spans],
+                                   scale=self.scale, window=self.window,
+                                   softcap=self.softcap)
+            return
         dt = q.dtype
-        return F.scaled_dot_product_attention(
-            q, k.to(dt), v.to(dt), attn_mask=mask, is_causal=mask is None,
-            scale=self.scale, enable_gqa=q.shape[1] != k.shape[1]).float()
+        for a, n in spans:
+            qi, ki, vi = (x[a : a + n].transpose(0, 1).unsqueeze(0).to(dt) for x in (q, k, v))
+            mask = None
+            if self.window is not None:
+                t = torch.arange(n, device=q.device)
+                mask = (t[None] <= t[:, None]) & (t[None] > t[:, None] - self.window)
+            o = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                enable_gqa=qi.shape[1] != ki.shape[1])
+            out[a : a + n] = o[0].transpose(0, 1).float()
 
     @staticmethod
     def _pages(views: dict, name: str, spec: QuantSpec) -> Packed:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from functools import cache
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from ..errors import KVPolicyError
 from ..runtime.paged import PagedKV, SeqBatch
 from .policy import ServedPolicy, config_value, served_policy
+from .prefill import FusedPrefill
 
 __all__ = ["KVPolicyAttentionBackend", "KVPolicyAttentionImpl", "active_policy"]
 
@@ -161,9 +163,13 @@ class KVPolicyAttentionImpl(AttentionImpl):
             block_size=block_size, cache_dtype=cache_dtype,
             kv_heads=local_kv_heads(total))
         pol = served.policy.get(index, "value")
+        # vLLM's own kernel for first prefills where K and V share a head size (its caches'
+        # layout); else torch's SDPA
+        same = layout.v_head_dim == layout.head_dim
         paged = PagedKV(layout, scale=self.scale, rope=served.rope,
                         value_rotation=pol.rotation, window=self.sliding_window,
-                        softcap=self.softcap, backend="auto")
+                        softcap=self.softcap, backend="auto",
+                        prefill=_fused_prefill() if same else None)
         if index == 0:
             log.info("kvpolicy: layer 0 %s; %s", layout.describe(), served.rope_why)
         return paged
@@ -188,6 +194,12 @@ class KVPolicyAttentionImpl(AttentionImpl):
         out = self._paged.forward(pages, query[:n], key[:n], value[:n], batch)
         output[:n] = out.reshape(output[:n].shape)
         return output
+
+
+@cache
+def _fused_prefill() -> FusedPrefill:
+    """One for the process: its scratch cache is shared by the layers, which run in turn."""
+    return FusedPrefill()
 
 
 # The last step's metadata and its SeqBatch: every layer of a step gets the same metadata
