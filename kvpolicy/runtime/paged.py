@@ -496,8 +496,10 @@ class PagedKV:
         end = torch.tensor(batch.seq_lens, device=dev)[seq]
         start = pos // c * c
         partial = start + c > end
-        if bool(partial.any()):
-            plan["stage"] = (blk[partial], pos[partial] % c, partial)
+        if bool(partial.any()):  # (every token, the usual decode step: no index)
+            every = bool(partial.all())
+            plan["stage"] = (blk[partial], pos[partial] % c,
+                             slice(None) if every else partial.nonzero()[:, 0])
         # One row per completed chunk: the chunk's last token closes it.
         last = ~partial & ((pos + 1) % c == 0)
         if not bool(last.any()):

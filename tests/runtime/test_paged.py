@@ -160,3 +160,41 @@ def test_paged_layout_is_smaller_and_refuses_bad_blocks():
     with pytest.raises(CacheError, match="multiple of the policy's key group of 12"):
         PagedLayout(QuantSpec(2, 12, "channel"), VAL2, num_kv_heads=3, head_dim=64,
                     block_size=128, sinks=4, store_dtype=torch.bfloat16)
+
+
+def test_an_engine_prefill_gets_every_fresh_sequence_of_a_step_in_one_call():
+    """``prefill`` (an engine's fused kernel) is called once per step with every sequence
+    whose cache is empty, in token order, also when a decoding sequence lies between them;
+    its rows land where SDPA's would (two caches fed the same steps agree)."""
+    import torch.nn.functional as F
+
+    calls = []
+
+    def prefill(q, k, v, lens, *, scale, window, softcap):
+        calls.append(list(lens))
+        outs, a = [], 0
+        for n in lens:
+            qi, ki, vi = (x[a : a + n].transpose(0, 1)[None] for x in (q, k, v))
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+            outs.append(o[0].transpose(0, 1))
+            a += n
+        return torch.cat(outs)
+
+    layout = PagedLayout(KEY2, VAL2, num_kv_heads=H, head_dim=D, block_size=16, sinks=2,
+                         store_dtype=torch.float32)
+    pages = [torch.zeros(8, layout.page_bytes, dtype=torch.uint8) for _ in range(2)]
+    caches = [PagedKV(layout, scale=D ** -0.5, backend="torch", prefill=prefill),
+              PagedKV(layout, scale=D ** -0.5, backend="torch")]
+    table = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+    g = torch.Generator().manual_seed(3)
+    # step 1: sequences 0 and 1 start; step 2: 2 starts, 0 decodes, 3 starts
+    for start, lens, rows in (([0, 10, 16], [10, 6], table[:2]),
+                              ([0, 7, 8, 13], [7, 11, 5], table[[2, 0, 3]])):
+        n = start[-1]
+        q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, H, H))
+        outs = [c.forward(p, q, k, v, SeqBatch(start, lens, rows))
+                for c, p in zip(caches, pages, strict=True)]
+        assert (outs[0] - outs[1]).abs().max().item() <= 1e-5
+        assert torch.equal(pages[0], pages[1]), "the engine path appended differently"
+    assert calls == [[10, 6], [7, 5]]
