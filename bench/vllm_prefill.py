@@ -16,22 +16,12 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
+from kvpolicy.runtime.paged import sdpa_prefill
 from kvpolicy.vllm.prefill import FusedPrefill
 
 HQ, HKV, D = 9, 3, 64
-
-
-def _sdpa(q, k, v, lens):
-    out, a = torch.empty(q.shape, dtype=torch.float32), 0
-    for n in lens:
-        qi, ki, vi = (x[a : a + n].transpose(0, 1)[None] for x in (q, k, v))
-        o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=D ** -0.5,
-                                           enable_gqa=True)
-        out[a : a + n] = o[0].transpose(0, 1).float()
-        a += n
-    return out
+KW = {"scale": D ** -0.5, "window": None, "softcap": None}
 
 
 def main() -> None:
@@ -51,10 +41,8 @@ def main() -> None:
         lens = [args.tokens] * b
         q, k, v = (torch.randn(b * args.tokens, h, D, generator=g).bfloat16()
                    for h in (HQ, HKV, HKV))
-        calls = {"fused": lambda q=q, k=k, v=v, lens=lens: fused(
-                     q, k, v, lens, scale=D ** -0.5, window=None, softcap=None),
-                 "sdpa": lambda q=q, k=k, v=v, lens=lens: _sdpa(q, k, v, lens)}
-        f, s = calls["fused"], calls["sdpa"]
+        f, s = (lambda fn=fn, q=q, k=k, v=v, lens=lens: fn(q, k, v, lens, **KW)
+                for fn in (fused, sdpa_prefill))
         diff = (f() - s()).abs().max().item()
         times = {f: [], s: []}
         for _ in range(args.reps):

@@ -427,8 +427,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, rope: RotarySpec) -> to
             f"positions must be [B, T] = {(x.shape[0], x.shape[2])}, got {tuple(positions.shape)}"
         )
     cos, sin = rope_tables(rope, positions)
-    return rope_rotate(x.float(), cos.to(x.device, torch.float32), sin.to(x.device, torch.float32),
-                  rope).to(x.dtype)
+    cos, sin = cos.to(x.device, torch.float32), sin.to(x.device, torch.float32)
+    return rope_rotate(x.float(), cos, sin, rope).to(x.dtype)
 
 
 # --------------------------------------------------------------------------- attention

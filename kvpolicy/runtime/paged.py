@@ -46,7 +46,7 @@ from ..kernels.contract import gather_page_rows, rope_rotate
 from ..kernels.layout import Packed, QuantSpec, RotarySpec
 from ..kernels.rotation import rotation_matrix
 
-__all__ = ["PagedField", "PagedLayout", "PagedKV", "SeqBatch"]
+__all__ = ["PagedField", "PagedLayout", "PagedKV", "SeqBatch", "sdpa_prefill"]
 
 _ALIGN = 16  # byte alignment of every field in a page
 _ROWS = 256  # query rows per attention call of a long chunk (as runtime.layer)
@@ -230,6 +230,30 @@ class SeqBatch:
         return self.cached(("groups", device), make)
 
 
+def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], *,
+                 scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """Causal attention of each of ``len(lens)`` sequences over its own tokens (token-major
+    ``q [N, Hq, D]``, ``k/v [N, Hkv, D]``, ``lens[i]`` tokens each, in order) with torch's
+    fused SDPA, one sequence at a time (no ``T x T`` scores), as ``PackedKVLayer`` does;
+    ``[N, Hq, Dv]`` fp32. :class:`PagedKV`'s ``prefill`` when the engine gives none."""
+    if softcap is not None:
+        raise CacheError("SDPA has no logit soft-capping: attend soft-capped prefills "
+                         "over the cache instead")
+    out, a = q.new_empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32), 0
+    for n in lens:
+        qi, ki, vi = (x[a : a + n].transpose(0, 1).unsqueeze(0).to(q.dtype) for x in (q, k, v))
+        mask = None
+        if window is not None:
+            t = torch.arange(n, device=q.device)
+            mask = (t[None] <= t[:, None]) & (t[None] > t[:, None] - window)
+        o = F.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=qi.shape[1] != ki.shape[1])
+        out[a : a + n] = o[0].transpose(0, 1).float()
+        a += n
+    return out
+
+
 class PagedKV:
     """One layer's attention over a :class:`PagedLayout` cache.
 
@@ -245,7 +269,8 @@ class PagedKV:
         prefill: the engine's fused causal attention for sequences whose cache is empty,
             ``prefill(q, k, v, lens, scale=, window=, softcap=)`` over token-major rows
             (``lens``: each sequence's tokens, in order) returning ``[N, Hq, Dv]`` fp32;
-            None: torch's SDPA per sequence.
+            None: :func:`sdpa_prefill` (not for soft-capped layers, whose first prefills
+            then attend over the cache).
     """
 
     def __init__(
@@ -336,31 +361,16 @@ class PagedKV:
     def _fresh(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                spans: list[tuple[int, int]]) -> None:
         """Sequences with an empty cache (token ``spans`` ``(start, n)``) attend causally
-        over their own tokens in full precision, keys as the engine rotated them: the
-        engine's fused kernel for all of them in one call where it gave one (``prefill``),
-        else torch's fused SDPA (no ``T x T`` scores) per sequence, as ``PackedKVLayer``
-        does."""
-        if self.prefill is not None:
-            a0, n_all = spans[0][0], sum(n for _, n in spans)
-            if all(a == b + m for (a, _), (b, m) in zip(spans[1:], spans, strict=False)):
-                ix = slice(a0, a0 + n_all)  # one run of tokens: no copy
-            else:
-                ix = torch.cat([torch.arange(a, a + n) for a, n in spans]).to(q.device)
-            out[ix] = self.prefill(q[ix], k[ix], v[ix], [n for _, n in spans],
-                                   scale=self.scale, window=self.window,
-                                   softcap=self.softcap)
-            return
-        dt = q.dtype
-        for a, n in spans:
-            qi, ki, vi = (x[a : a + n].transpose(0, 1).unsqueeze(0).to(dt) for x in (q, k, v))
-            mask = None
-            if self.window is not None:
-                t = torch.arange(n, device=q.device)
-                mask = (t[None] <= t[:, None]) & (t[None] > t[:, None] - self.window)
-            o = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                enable_gqa=qi.shape[1] != ki.shape[1])
-            out[a : a + n] = o[0].transpose(0, 1).float()
+        over their own tokens in full precision, keys as the engine rotated them, all in
+        one call of ``prefill`` (the engine's fused kernel, else :func:`sdpa_prefill`)."""
+        a0, n_all = spans[0][0], sum(n for _, n in spans)
+        if all(a == b + m for (a, _), (b, m) in zip(spans[1:], spans, strict=False)):
+            ix = slice(a0, a0 + n_all)  # one run of tokens: no copy
+        else:
+            ix = torch.cat([torch.arange(a, a + n) for a, n in spans]).to(q.device)
+        out[ix] = (self.prefill or sdpa_prefill)(
+            q[ix], k[ix], v[ix], [n for _, n in spans], scale=self.scale, window=self.window,
+            softcap=self.softcap)
 
     @staticmethod
     def _pages(views: dict, name: str, spec: QuantSpec) -> Packed:

@@ -16,7 +16,7 @@ from kvpolicy.errors import CacheError
 from kvpolicy.kernels.layout import QuantSpec, RotarySpec
 from kvpolicy.kernels.reference import apply_rope
 from kvpolicy.runtime.layer import PackedKVLayer
-from kvpolicy.runtime.paged import PagedKV, PagedLayout, SeqBatch
+from kvpolicy.runtime.paged import PagedKV, PagedLayout, SeqBatch, sdpa_prefill
 
 H, HQ, D = 2, 4, 16
 
@@ -170,16 +170,9 @@ def test_an_engine_prefill_gets_every_fresh_sequence_of_a_step_in_one_call():
 
     calls = []
 
-    def prefill(q, k, v, lens, *, scale, window, softcap):
+    def prefill(q, k, v, lens, **kw):
         calls.append(list(lens))
-        outs, a = [], 0
-        for n in lens:
-            qi, ki, vi = (x[a : a + n].transpose(0, 1)[None] for x in (q, k, v))
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
-                                               enable_gqa=True)
-            outs.append(o[0].transpose(0, 1))
-            a += n
-        return torch.cat(outs)
+        return sdpa_prefill(q, k, v, lens, **kw)
 
     layout = PagedLayout(KEY2, VAL2, num_kv_heads=H, head_dim=D, block_size=16, sinks=2,
                          store_dtype=torch.float32)
@@ -197,4 +190,11 @@ def test_an_engine_prefill_gets_every_fresh_sequence_of_a_step_in_one_call():
                 for c, p in zip(caches, pages, strict=True)]
         assert (outs[0] - outs[1]).abs().max().item() <= 1e-5
         assert torch.equal(pages[0], pages[1]), "the engine path appended differently"
+        for a, b, m in zip(start[:-1], start[1:], lens, strict=True):  # fresh: own tokens
+            if b - a == m:
+                qi, ki, vi = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))
+                want = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True,
+                                                      scale=D ** -0.5, enable_gqa=True)
+                got = outs[0][a:b].transpose(0, 1)[None]
+                assert (got - want).abs().max().item() <= 1e-5, "a fresh row went astray"
     assert calls == [[10, 6], [7, 5]]
