@@ -12,9 +12,10 @@ Every row is one policy, compared with the fp cache in the same run:
 
 Rows: ``bits=2`` (the default), ``stored_bits=2.5`` counted over the body alone (what the
 published frontier used), and the whole-cache budgets ``--budgets`` at 4,096 tokens, with
-the default residual window (128) and with ``residual: 32`` (the allocator does not trade
-the residual yet: a written one shows what that trade is worth). A budget the full-precision
-tokens alone exceed is a row that says so. Budgets share one calibration per residual.
+``residual: 128`` (kvpolicy's residual window elsewhere) and ``residual: 32`` (what a
+whole-cache budget keeps unless one is written; the allocator does not trade it per layer
+yet). A budget the full-precision tokens alone exceed is a row that says so. Budgets share
+one calibration per residual.
 
     .venv/bin/python bench/whole_cache_budget.py [--budgets 3.0 2.5 2.0 1.5]
         [--retrieval 1024]
@@ -66,9 +67,9 @@ def main() -> None:
     ]
     for residual in (128, 32):
         for b in args.budgets:
-            extra = {} if residual == 128 else {"residual": residual}
             rows.append((f"stored_bits={b:g} whole, residual {residual}",
-                         {"defaults": {"stored_bits": b, "budget_context": AT, **extra}}))
+                         {"defaults": {"stored_bits": b, "budget_context": AT,
+                                       "residual": residual}}))
     calibrations: dict[int, object] = {}
     for name, spec in rows:
         residual = spec["defaults"].get("residual", 128)

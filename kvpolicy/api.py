@@ -24,7 +24,7 @@ from .kernels.backend import check_name as check_backend
 from .passes.analyse import analyse_model
 from .passes.config import sliding_windows
 from .policies import Calibration, ModelPolicy, PolicySpec, build_policy, load_spec
-from .policies.derive import local_residuals
+from .policies.derive import local_residuals, whole_cache_residuals
 from .runtime.install import CompiledModel, install
 from .state import compiled_of, state_of
 
@@ -87,6 +87,7 @@ def derive_policy(
             "policy with every width set"
         )
     result = build_policy(analysis.layers, spec, model_name=_model_name(model))
+    result = whole_cache_residuals(result, spec)
     result = local_residuals(result, spec, sliding_windows(model, len(analysis.layers)))
     if spec.budget is None and any(t.rotation == "auto" for t in result.tensors):
         raise PolicyError(

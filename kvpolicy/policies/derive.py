@@ -405,6 +405,38 @@ def build_policy(
 LOCAL_REFERENCE = 4096
 
 
+# Under a whole-cache budget (defaults.budget_context) every full-precision token is paid
+# from the budget, so the default residual window is WHOLE_CACHE_RESIDUAL, not 128. NOTE:
+# bench/whole_cache_budget.py at ef2a7a5, SmolLM2, 4 x (768 + 128) pydoc tokens, retrieval
+# on 2 x 1,024: residual 32 against 128 at 3.0 / 2.5 / 2.0 whole-cache bits, perplexity
+# 1.016 / 1.038 / 1.140x fp against 1.020 / 1.066 / 2.912x, KL 0.011 / 0.029 / 0.123 against
+# 0.016 / 0.064 / 0.950, retrieval 0.989 / 0.971 / 0.692x against 0.969 / 0.850 / 0.365x
+# (top-1 agreement 0.939 against 0.959 at 3.0, better at the others).
+WHOLE_CACHE_RESIDUAL = 32
+
+
+def whole_cache_residuals(policy: ModelPolicy, spec: PolicySpec) -> ModelPolicy:
+    """``policy`` with each residual window cut to :data:`WHOLE_CACHE_RESIDUAL` (never
+    raised) when ``spec`` budgets the whole cache (``budget_context``) and writes no
+    residual (the defaults or any rule), its reason saying so."""
+    if spec.defaults.budget_context is None or _writes_residual(spec):
+        return policy
+    tensors = []
+    for t in policy.tensors:
+        r = min(t.residual, WHOLE_CACHE_RESIDUAL)
+        if r != t.residual:
+            t = t.model_copy(update={"residual": r, "reason": t.reason + (
+                f"; residual {r}, not {t.residual}: a whole-cache budget pays every "
+                f"full-precision token, and fewer of them leave the packed tokens more bits")})
+        tensors.append(t)
+    return policy.model_copy(update={"tensors": tuple(tensors)})
+
+
+def _writes_residual(spec: PolicySpec) -> bool:
+    return ("residual" in spec.defaults.model_fields_set
+            or any(r.residual is not None for r in spec.overrides))
+
+
 def local_residuals(policy: ModelPolicy, spec: PolicySpec,
                     windows: Mapping[int, int]) -> ModelPolicy:
     """``policy`` with ``windows`` (attention layer -> sliding window) recorded and, unless
@@ -413,8 +445,7 @@ def local_residuals(policy: ModelPolicy, spec: PolicySpec,
     if not windows:
         return policy
     record = tuple(windows.get(i) for i in range(policy.num_layers))
-    written = ("residual" in spec.defaults.model_fields_set
-               or any(r.residual is not None for r in spec.overrides))
+    written = _writes_residual(spec)
     tensors = []
     for i, t in enumerate(policy.tensors):
         w = record[i // 2]

@@ -94,7 +94,9 @@ _SETTINGS: dict[str, FieldDoc] = {
         "incomplete chunk in full precision, as `inspect`'s last line counts them, per "
         "element of what an fp16 cache keeps (a local layer: its last window - 1 tokens). The "
         "allocator then prices each layer's key and value choices together, since the key "
-        "group sets how many recent tokens wait in full precision.",
+        "group sets how many recent tokens wait in full precision. Unless `residual` is "
+        "written, the residual window becomes 32 tokens (every full-precision token is paid "
+        "from the budget).",
         4096,
         "an int >= 1 (needs `stored_bits`); null: the packed body only",
     ),
@@ -129,7 +131,8 @@ _SETTINGS: dict[str, FieldDoc] = {
         "tokens are packed in groups as they leave it. Key and value of a layer share it. "
         "Left out, a local (sliding-window) layer keeps `residual × window / 4096` of "
         "them (16 of a 512-token window): it holds about a window of tokens, where a "
-        "global layer spreads its residual over the whole context.",
+        "global layer spreads its residual over the whole context. Left out under a "
+        "whole-cache budget (`budget_context`), it is 32.",
         128,
     ),
     "sinks": FieldDoc(

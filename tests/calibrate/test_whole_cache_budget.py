@@ -132,6 +132,28 @@ def test_a_body_budget_is_exceeded_over_the_whole_cache():
     assert whole.avg_stored_bits() < cal.avg_stored_bits()  # the body pays for the rest
 
 
+def test_a_whole_cache_budget_keeps_a_short_residual_unless_one_is_written():
+    model = tiny_model("gemma3_text", max_position_embeddings=1024, sliding_window=512,
+                       layer_types=["sliding_attention", "full_attention"])
+    cal = _ids(1, 260)
+    whole = kvpolicy.derive_policy(
+        model, policy={"defaults": {"stored_bits": 4.0, "budget_context": TOKENS, "sinks": 2}},
+        calibration=cal, progress=False)
+    assert whole.windows == (512, None)
+    # 32 in the global layer, and the local layer's share of its window: 32 * 512 // 4096
+    assert [t.residual for t in whole.tensors] == [4, 4, 32, 32]
+    assert "a whole-cache budget pays every full-precision token" in whole.get(1, "key").reason
+    written = kvpolicy.derive_policy(
+        model, policy={"defaults": {"stored_bits": 4.0, "budget_context": TOKENS, "sinks": 2,
+                                    "residual": 16}},
+        calibration=cal, progress=False)
+    assert [t.residual for t in written.tensors] == [16] * 4
+    body = kvpolicy.derive_policy(
+        model, policy={"defaults": {"stored_bits": 4.0, "sinks": 2}}, calibration=cal,
+        progress=False)
+    assert [t.residual for t in body.tensors] == [16, 16, 128, 128]
+
+
 def test_budget_context_needs_a_stored_bits_budget():
     with pytest.raises(PolicyError, match="budget_context 4096.*add stored_bits"):
         kvpolicy.derive_policy(tiny_model("llama"),
