@@ -16,6 +16,11 @@ attention output that reads it is compared with the exact one:
   8-bit numbers: +0.25 bits), values per token by their RMS (one least-squares scale per
   token and head, priced at 8 bits: +0.125 bits).
 
+- per-token precision on top of the scalar codes: of every 65 tokens, the one whose pre-RoPE
+  key deviates most from the others (the sum over heads and channels of its squared
+  deviation in units of the channel's spread) kept exact in fp16 in both tensors, the
+  other 64 coded as one group (priced at 16 bits for 1/65 of the tokens).
+
 Each row quantizes both tensors of every layer (the packed part: tokens after 4 sinks, in
 whole groups of 64); the other columns change one tensor at a time against the scalar
 2-bit row. Printed: the stored bits of each code, and the relative attention-output error
@@ -108,6 +113,24 @@ def vq_values(train: torch.Tensor, test: torch.Tensor, d: int, bits: float, iter
     return out
 
 
+def exact_outliers(k: torch.Tensor, v: torch.Tensor, ks: QuantSpec, vs: QuantSpec
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and (rotated) values ``[Hkv, T, D]`` coded by ``ks``/``vs`` in chunks of 65
+    tokens, the most deviating token of each kept exact (a trailing part chunk is left
+    exact as well)."""
+    kq, vq = k.clone(), v.clone()
+    span = GROUP + 1
+    for c0 in range(0, k.shape[1] - span + 1, span):
+        kc = k[:, c0:c0 + span]
+        z = (kc - kc.mean(1, keepdim=True)) / (kc.std(1, keepdim=True) + 1e-6)
+        keep = torch.ones(span, dtype=torch.bool)
+        keep[int(z.square().sum((0, 2)).argmax())] = False
+        idx = torch.arange(c0, c0 + span)[keep]
+        kq[:, idx] = roundtrip(k[None, :, idx].contiguous(), ks)[0]
+        vq[:, idx] = roundtrip(v[None, :, idx].contiguous(), vs)[0]
+    return kq, vq
+
+
 def output_error(act, k_pre: torch.Tensor, v: torch.Tensor) -> float:
     """Relative attention-output error of row 1 with keys ``k_pre`` and values ``v``."""
     q = act.query[1:2]
@@ -149,6 +172,10 @@ def main() -> None:
             coded_k[name] = roundtrip(k[1:2, :, seg].contiguous(), ks)[0]
             coded_v[name] = roundtrip(vr[1:2, :, seg].contiguous(), vs)[0]
             bits[name] = f"{kb:.2f} / {vb:.2f}"
+        for name, (ks, vs, kb, vb) in SCALAR.items():
+            row = f"{name}, 1 token in 65 exact"
+            coded_k[row], coded_v[row] = exact_outliers(k[1, :, seg], vr[1, :, seg], ks, vs)
+            bits[row] = f"{(64 * kb + 16) / 65:.2f} / {(64 * vb + 16) / 65:.2f}"
         for d, b in VQ:
             name = f"k-means, {b:g} bits in {d}-channel sub-vectors"
             coded_k[name] = vq_keys(k[0, :, seg], k[1, :, seg], d, b, args.iters)
