@@ -11,8 +11,9 @@ from typing import Any
 from . import api, evaluation, zoo
 from .calibrate.budget import calibration_ids_from_file
 from .errors import KVPolicyError, ZooError
-from .evaluation.stored import STORED_BUDGETS
+from .evaluation.stored import STORED_BUDGETS, WHOLE_BUDGETS
 from .policies import SUPPORTED_BITS, list_presets, load_spec
+from .policies.footprint import CONTEXT
 from .zoo import tiny
 
 __all__ = ["main", "build_parser", "load_model"]
@@ -151,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "per group; widths and group sizes allocated, one calibration for all; "
                     "default: " + " ".join(f"{b:g}" for b in STORED_BUDGETS)
                     + "; --stored-bits with no value skips them)")
+    ev.add_argument("--whole-cache", type=_stored_bits, nargs="*", metavar="B",
+                    default=list(WHOLE_BUDGETS),
+                    help="stored-bits budgets over the whole cache at "
+                    f"{CONTEXT:,} tokens (budget_context: sinks, residual and incomplete chunk "
+                    "counted in full precision; one more calibration for all); default: "
+                    + " ".join(f"{b:g}" for b in WHOLE_BUDGETS)
+                    + "; --whole-cache with no value skips them")
     ev.add_argument("--out", metavar="DIR", default="eval-out", help="output folder")
     ev.add_argument("--quick", action="store_true",
                     help="a tiny random model and short text: a smoke test in seconds")
@@ -211,7 +219,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         context=args.context, steps=args.steps, out=args.out, quick=args.quick,
         peers=not args.no_peers, retrieval=args.retrieval, passages=args.passages,
         text_file=args.text,
-        stored_budgets=args.stored_bits,
+        stored_budgets=args.stored_bits, whole_budgets=args.whole_cache,
     )
     print(report.to_markdown().rstrip("\n"))
     print(f"\nwritten to {args.out}/ (report.md, report.json, plots)")

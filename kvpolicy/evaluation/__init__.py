@@ -1,5 +1,6 @@
 """Evaluate a policy where it matters: decode-time perplexity through the cache (``decode``),
-ablations and bit budgets (``run``), transformers' own caches as peers (``peers``), the
+ablations and bit budgets (``run``), transformers' own caches as peers (``peers``; their rows:
+``peer_rows``), the
 where-consumed axis study (``axis_study``), the retrieval check (``retrieval``: a passage,
 then the same passage), and the report they fill (``report``)."""
 

@@ -3,10 +3,12 @@ holds them, the frontier read from them, and the files written (``report.md``,
 ``report.json`` and PNG plots).
 
 The frontier puts the uniform widths (the "2/3/4 bits" ablations), the budgets (of code
-bits, and of stored bits: group "stored") and the peer on the same axes: perplexity ratio
-against steady-state compression, i.e. bytes per token of the quantized body (codes plus
-per-group scales and zeros; the full-precision sink and residual windows, which a long
-context amortises, not counted) against fp16.
+bits, and of stored bits over the body, group "stored", or over the whole cache, group
+"whole") and the peer side by side: its table gives the steady-state compression, i.e. bytes
+per token of the quantized body (codes plus per-group scales and zeros; the full-precision
+sink and residual windows, which a long context amortises, not counted) against fp16, and
+the whole-cache bits after ``policies.footprint.CONTEXT`` tokens, windows included, which is
+the axis of ``frontier.png``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..policies.footprint import CONTEXT
 
 __all__ = ["RunResult", "RetrievalResult", "EvalReport", "frontier_points", "frontier_dominance",
            "write_report"]
@@ -53,6 +57,10 @@ class RunResult:
     # equals fp's.
     kl: float | None = None
     top1_agreement: float | None = None
+    # Stored bits per element of the whole cache after policies.footprint.CONTEXT tokens:
+    # the body and the sinks, residual window and incomplete chunk in full precision
+    # (``inspect``'s last line; quanto: its residual window counted full).
+    whole_bits: float | None = None
 
     @property
     def steady_compression(self) -> float | None:
@@ -171,19 +179,21 @@ class EvalReport:
     def _frontier_markdown(self) -> list[str]:
         """The frontier table, the dominance lines and the widths of the middle budget."""
         points = frontier_points(self.runs)
-        if not any(r.group in ("budget", "stored") for r in points):
+        if not any(r.group in ("budget", "stored", "whole") for r in points):
             return []
         lines = [
             "", "## Frontier: perplexity vs compression", "",
             "Steady state: bytes per token of the quantized body over all layers (codes plus "
             "per-group scales and zeros, in the dtype each cache stores them in; the "
-            "full-precision sink and residual windows not counted). Measured: the whole cache "
-            "held at the end of this eval, windows included.",
+            "full-precision sink and residual windows not counted). Whole cache: stored bits "
+            f"per element of everything held after {CONTEXT:,} tokens, the sinks, residual "
+            "window and incomplete chunk in full precision included (quanto: its residual "
+            "window counted full). Measured: the whole cache held at the end of this eval.",
             "",
-            "| run | avg code bits | bytes/token | stored bits | × smaller than fp16 (steady "
-            "state) | × smaller, measured at the end | perplexity | × fp | KL to fp "
-            "| top-1 = fp |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| run | avg code bits | bytes/token | stored bits | whole-cache bits | × smaller "
+            "than fp16 (steady state) | × smaller, measured at the end | perplexity | × fp | "
+            "KL to fp | top-1 = fp |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in points:
             bits = f"{r.avg_bits:.3f}" if r.avg_bits is not None else "-"
@@ -193,9 +203,11 @@ class EvalReport:
                 f"{r.fp16_bytes / r.cache_bytes:.2f}" if r.cache_bytes and r.fp16_bytes else "-"
             )
             stored = f"{r.avg_stored_bits:.3f}" if r.avg_stored_bits is not None else "-"
+            whole = f"{r.whole_bits:.3f}" if r.whole_bits is not None else "-"
             kl = f"{r.kl:.3g}" if r.kl is not None else "-"
             agree = f"{r.top1_agreement:.3f}" if r.top1_agreement is not None else "-"
-            lines.append(f"| {r.name} | {bits} | {bpt} | {stored} | {steady} | {measured} | "
+            lines.append(f"| {r.name} | {bits} | {bpt} | {stored} | {whole} | {steady} | "
+                         f"{measured} | "
                          f"{r.perplexity:.3f} | {r.ratio:.3f} | {kl} | {agree} |")
         lines.append("")
         for name, beaten_by in frontier_dominance(self.runs).items():
@@ -218,13 +230,16 @@ class EvalReport:
             lines += ["", f"One calibration for all budgets: {cal['source']}, {cal['rows']}x"
                           f"{cal['tokens']} tokens, {cal['seconds']:.1f} s to measure "
                           f"({cal['wall_seconds']:.1f} s with the policy derivation)."]
-        stored = (self.frontier or {}).get("stored")
-        if stored:
-            cal = stored["calibration"]
-            lines += ["", f"One more calibration for the stored-bits budgets (widths and group "
-                          f"sizes, of {stored['groups'] or 'fixed groups'}): {cal['source']}, "
-                          f"{cal['rows']}x{cal['tokens']} tokens, {cal['seconds']:.1f} s to "
-                          f"measure ({cal['wall_seconds']:.1f} s with the policy derivation)."]
+        for key, what in (("stored", "the stored-bits budgets"),
+                          ("whole", f"the whole-cache budgets (at {CONTEXT:,} tokens)")):
+            got = (self.frontier or {}).get(key)
+            if got:
+                cal = got["calibration"]
+                lines += ["", f"One more calibration for {what} (widths and group sizes, of "
+                              f"{got['groups'] or 'fixed groups'}): {cal['source']}, "
+                              f"{cal['rows']}x{cal['tokens']} tokens, {cal['seconds']:.1f} s "
+                              f"to measure ({cal['wall_seconds']:.1f} s with the policy "
+                              "derivation)."]
         lines += self._widths_markdown()
         return lines
 
@@ -248,10 +263,10 @@ class EvalReport:
 
 def frontier_points(runs: list[RunResult]) -> list[RunResult]:
     """The frontier's runs: uniform widths ("bits" group), budgets (and the "currency" run),
-    stored-bits budgets ("stored"), the hand splits and the peer, each with a steady-state
-    bytes-per-token figure."""
-    return [r for g in ("bits", "budget", "currency", "stored", "split", "peer") for r in runs
-            if r.group == g and r.bytes_per_token]
+    stored-bits budgets over the body ("stored") and over the whole cache ("whole"), the hand
+    splits and the peer, each with a steady-state bytes-per-token figure."""
+    return [r for g in ("bits", "budget", "currency", "stored", "whole", "split", "peer")
+            for r in runs if r.group == g and r.bytes_per_token]
 
 
 def frontier_dominance(runs: list[RunResult]) -> dict[str, list[str]]:
@@ -262,7 +277,7 @@ def frontier_dominance(runs: list[RunResult]) -> dict[str, list[str]]:
     return {
         b.name: [u.name for u in uniform
                  if u.bytes_per_token <= b.bytes_per_token and u.perplexity < b.perplexity]
-        for b in runs if b.group in ("budget", "stored") and b.bytes_per_token
+        for b in runs if b.group in ("budget", "stored", "whole") and b.bytes_per_token
     }
 
 
@@ -334,11 +349,12 @@ def _plots(report: EvalReport, out: Path) -> None:
 
 
 def _frontier_plot(report: EvalReport, out: Path, plt) -> None:
-    """``frontier.png``: perplexity ratio against stored bytes per token in steady state
-    (codes + scales + zeros over all layers: metadata included, so that choices trading
-    codes for metadata are placed fairly), per series; with a second panel zoomed onto
-    kvpolicy's own points when a peer sits far above them."""
-    points = frontier_points(report.runs)
+    """``frontier.png``: perplexity ratio against stored bits per element of the whole cache
+    after ``CONTEXT`` tokens (codes, scales and zeros, and the full-precision sinks, residual
+    window and incomplete chunk: everything a cache holds, so that choices trading any of
+    them are placed fairly), per series; with a second panel zoomed onto kvpolicy's own
+    points when a peer sits far above them."""
+    points = [r for r in frontier_points(report.runs) if r.whole_bits is not None]
     if not points:
         return
     own = [r.ratio for r in points if r.group != "peer"]
@@ -351,24 +367,23 @@ def _frontier_plot(report: EvalReport, out: Path, plt) -> None:
             ("bits", "uniform width", "o-"), ("budget", "bit budget", "^-"),
             ("currency", "budget, relative-error currency", "v"),
             ("stored", "stored-bits budget (groups allocated)", "P-"),
+            ("whole", "stored-bits budget over the whole cache", "X-"),
             ("split", "keys/values split by hand", "D"), ("peer", "quanto (peer)", "s"),
         ):
-            pts = sorted((r for r in points if r.group == group and r.bytes_per_token),
-                         key=lambda r: r.bytes_per_token)
+            pts = sorted((r for r in points if r.group == group), key=lambda r: r.whole_bits)
             if n_ax == 1:  # the zoomed panel: kvpolicy's points only
                 pts = [r for r in pts if r.group != "peer"]
             if not pts:
                 continue
-            xs, ys = [r.bytes_per_token for r in pts], [r.ratio for r in pts]
+            xs, ys = [r.whole_bits for r in pts], [r.ratio for r in pts]
             ax.plot(xs, ys, style, label=label)
             for r, x, y in zip(pts, xs, ys, strict=True):
-                k = placed.get(round(x), 0)
-                placed[round(x)] = k + 1
+                k = placed.get(round(x, 1), 0)
+                placed[round(x, 1)] = k + 1
                 ax.annotate(r.name, (x, y), fontsize=7, xytext=(4, 3 - 9 * k),
                             textcoords="offset points")
-        fp16 = next((r.fp16_bytes_per_token for r in points if r.fp16_bytes_per_token), None)
-        ax.set_xlabel("stored bytes per token, steady state (codes + scales + zeros, all "
-                      "layers)" + (f"; fp16: {fp16:,}" if fp16 else ""))
+        ax.set_xlabel(f"stored bits per element of the whole cache at {CONTEXT:,} tokens "
+                      "(fp16: 16)")
         ax.set_ylabel("perplexity / full-precision perplexity")
         ax.set_title(f"{report.model}: frontier" + (", kvpolicy's points" if n_ax else ""))
         ax.legend(fontsize=8)

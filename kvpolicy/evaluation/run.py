@@ -35,7 +35,7 @@ from .. import zoo
 from ..api import compile_model, derive_policy
 from ..api import inspect as inspect_policy
 from ..calibrate import budget
-from ..errors import KVPolicyError
+from ..errors import KVPolicyError, PolicyError
 from ..passes.analyse import analyse_model
 from ..policies import (
     BUDGET_WIDTHS,
@@ -44,17 +44,24 @@ from ..policies import (
     is_budget,
     load_spec,
     metadata_at,
-    packed_bytes_per_element,
 )
+from ..policies.footprint import CONTEXT, whole_cache
 from ..policies.rules import META8_WIDTHS, meta8_rotates_values
 from ..zoo import text
 from ..zoo.tiny import tiny_model
 from .axis_study import consumed_study
 from .decode import NextTokenReference, decode_perplexity
-from .peers import cache_bytes, check_token_groups, peer_cache
+from .peer_rows import check_peer_context, peer_runs
+from .peers import cache_bytes
 from .report import EvalReport, RetrievalResult, RunResult, frontier_dominance, write_report
-from .retrieval import RetrievalTask, retrieval_task, score_retrieval
-from .stored import QUICK_STORED_GROUPS, STORED_BUDGETS, stored_calibration, stored_specs
+from .retrieval import retrieval_task, score_retrieval
+from .stored import (
+    QUICK_STORED_GROUPS,
+    STORED_BUDGETS,
+    WHOLE_BUDGETS,
+    stored_calibration,
+    stored_specs,
+)
 
 __all__ = ["evaluate", "ablations", "FRONTIER_BUDGETS", "STORED_BUDGETS", "RETRIEVAL_BUDGET",
            "RETRIEVAL_TOKENS"]
@@ -145,6 +152,7 @@ def evaluate(
     text_file: str | Path | None = None,
     progress: bool = True,
     stored_budgets: Sequence[float] = STORED_BUDGETS,
+    whole_budgets: Sequence[float] = WHOLE_BUDGETS,
 ) -> EvalReport:
     """Run the full comparison; see the module docstring.
 
@@ -168,6 +176,9 @@ def evaluate(
         stored_budgets: stored-bits budgets of the frontier (rows ``"stored budget B"``,
             one calibration for all; empty skips them); ``quick`` chooses groups among
             ``QUICK_STORED_GROUPS``, else among ``GROUP_CHOICES``.
+        whole_budgets: stored-bits budgets over the whole cache at ``CONTEXT`` tokens (rows
+            ``"whole-cache budget B"``, one more calibration; empty skips them). A budget
+            the allocator refuses is a note, not a row.
 
     Raises:
         KVPolicyError: ``context + steps`` or ``2 * retrieval`` exceeds the model's positions,
@@ -202,7 +213,7 @@ def evaluate(
     fp_model = load()
     per_token = _elements_per_token(fp_model)
     if peers:  # fail now, not after the fp and policy runs
-        _check_peer_context(fp_model, context, user)
+        check_peer_context(fp_model, context, user)
     # NOTE: the reference holds fp16 log-probs of every scored step: segments x steps x
     # vocab x 2 bytes (4 x 256 x 49,152 x 2 = 100 MB for SmolLM2 at the defaults).
     ref = NextTokenReference()
@@ -246,6 +257,7 @@ def evaluate(
             fp16_bytes_per_token=pol.fp16_bytes_per_token,
             measured_bytes_per_token=_packed_bytes_per_token(mem, segs.shape[0]),
             kl=res.kl, top1_agreement=res.agreement,
+            whole_bits=whole_cache(pol, CONTEXT).bits,
         )
         if pol.budget is not None:
             r.settings = {**spec, "budget": pol.budget, "budget_unit": pol.budget_unit,
@@ -300,9 +312,12 @@ def evaluate(
                                                             progress)
         for name, spec in specs:
             run_policy(name, "stored", spec, calibration=stored_cal, retrieve=True)
+    if whole_budgets:  # the same over the whole cache: another residual, another calibration
+        _whole_rows(run_policy, load, user, whole_budgets, quick, cal_input, notes, frontier,
+                    progress)
 
     if peers:
-        peer_rows, peer_retrieved = _peer_runs(load, segs, context, steps, fp.perplexity, user,
+        peer_rows, peer_retrieved = peer_runs(load, segs, context, steps, fp.perplexity, user,
                                                per_token, progress, notes, ref, task,
                                                retrieval_ref)
         runs += peer_rows
@@ -497,104 +512,20 @@ def _check_positions(probe: torch.nn.Module, name: str, context: int, steps: int
     return retrieval
 
 
-def _check_peer_context(model: torch.nn.Module, context: int, user: dict[str, Any]) -> None:
-    """Refuse a context with which the quanto peer's per-channel axes would fail mid-run."""
-    d = load_spec(user).defaults
-    if d.bits not in (2, 4):  # no peer runs (said in the notes)
-        return
+def _whole_rows(run_policy, load, user, budgets, quick, cal_input, notes, frontier,
+                progress) -> None:
+    """The whole-cache budget rows: one calibration (of the largest budget) for all; a
+    budget whose full-precision tokens or smallest choices do not fit is a note."""
+    specs = stored_specs(user, sorted(budgets, reverse=True),
+                         QUICK_STORED_GROUPS if quick else None, context=CONTEXT)
     try:
-        check_token_groups(model, context, d.residual, d.group_size)
-    except KVPolicyError as exc:
-        raise type(exc)(f"{exc}; or skip the quanto peer (--no-peers)") from exc
-
-
-def _peer_runs(load, segs, context, steps, fp_ppl, user, per_token, progress, notes,
-               reference: NextTokenReference, task: RetrievalTask | None,
-               retrieval_ref: NextTokenReference
-               ) -> tuple[list[RunResult], dict[str, RetrievalResult]]:
-    """transformers' quanto cache at the policy's bits, group and residual: all four axis
-    pairs (its users pick them by hand), reported with the default and the best; the best
-    also on the retrieval ``task``."""
-    d = load_spec(user).defaults
-    if d.bits not in (2, 4):
-        notes.append(f"peer runs skipped: quanto supports 2 or 4 bits, the policy has {d.bits}")
-        return [], {}
-    model = load()
-    steady = _quanto_bytes_per_token(per_token, d.bits, d.group_size, model)
-    results = {}
-    for axes in ((0, 0), (-1, 0), (0, -1), (-1, -1)):
-        def factory(axes=axes):
-            return peer_cache(model, "quanto", bits=d.bits, group_size=d.group_size,
-                                    residual=d.residual, axis_key=axes[0], axis_value=axes[1])
-
-        results[axes] = decode_perplexity(model, segs, context, steps, desc=f"quanto {axes}",
-                                          progress=progress, batched=True, make_cache=factory,
-                                          reference=reference)
-    best = min(results, key=lambda a: results[a].perplexity)
-    out = []
-    for label, axes in (("quanto default axes (0, 0)", (0, 0)), (f"quanto best axes {best}", best)):
-        res = results[axes]
-        held = cache_bytes(res.cache)
-        elems = per_token * segs.shape[0] * held.tokens if per_token else None
-        out.append(RunResult(
-            label, "peer", res.perplexity, res.perplexity / fp_ppl, held.total, held.fp16,
-            held.total * 8 / elems if elems else None, res.seconds_per_step * 1e3,
-            {"bits": d.bits, "group_size": d.group_size, "residual": d.residual,
-             "axes": list(axes),
-             "all_axes": {str(a): r.perplexity for a, r in results.items()}},
-            avg_bits=float(d.bits), bytes_per_token=steady,
-            avg_stored_bits=steady * 8 / per_token if steady and per_token else None,
-            fp16_bytes_per_token=2 * per_token if per_token else None,
-            measured_bytes_per_token=_quanto_measured_bytes_per_token(held, per_token, model),
-            kl=res.kl, top1_agreement=res.agreement,
-        ))
-    retrieved = {}
-    if task is not None:
-        for res in results.values():
-            res.cache = None
-        label = out[-1].name
-        retrieved[label] = score_retrieval(
-            model, task, label, reference=retrieval_ref, settings=out[-1].settings,
-            make_cache=lambda: peer_cache(model, "quanto", bits=d.bits, group_size=d.group_size,
-                                          residual=d.residual, axis_key=best[0],
-                                          axis_value=best[1]),
-            progress=progress)
-    return out, retrieved
-
-
-def _quanto_bytes_per_token(per_token: int | None, bits: int, group_size: int,
-                            model: torch.nn.Module) -> float | None:
-    """Steady-state bytes per token of transformers' quanto ``QuantizedCache``, counted as
-    ``ModelPolicy.bytes_per_token`` counts ours: codes plus per-group scale and zero, no
-    full-precision window.
-
-    What quanto stores (transformers ``QuantoQuantizedLayer._quantize``, optimum-quanto
-    ``MaxOptimizer`` and ``WeightQBitsTensor``): the whole cache re-quantized with
-    ``quantize_weight(states, qint<bits>, axis, scale, shift, group_size)``; the states are
-    grouped (``tensor.grouped.group``) into ``numel / group_size`` groups of ``group_size``
-    elements on either axis (axis 0: along head_dim; axis -1: along the flattened
-    batch*heads*tokens rows), so per element there are ``bits`` code bits (a
-    ``PackedTensor``, ``8 // bits`` codes per uint8 along its first dim, padded up to a
-    multiple of ``8 // bits`` rows: a few bytes per cache, nothing per token) and
-    ``1 / group_size`` of one scale and one shift, both in the dtype of the cached states
-    (``MaxOptimizer`` asserts it; it is the model's dtype: fp32 for the fp32 models of this
-    eval, where kvpolicy stores fp16). So ``per_token * (bits / 8 + 2 * itemsize /
-    group_size)``; ``_quanto_measured_bytes_per_token`` checks it against the cache held at
-    the end of the eval.
-    """
-    if per_token is None:
-        return None
-    itemsize = next(model.parameters()).dtype.itemsize
-    return per_token * packed_bytes_per_element(bits, group_size, itemsize)
-
-
-def _quanto_measured_bytes_per_token(held, per_token: int | None,
-                                     model: torch.nn.Module) -> float | None:
-    """Bytes per quantized token of a quanto cache as held: (codes + scales + shifts) over
-    the quantized elements (all elements less the full-precision residual window's), times
-    the elements per token. None when nothing is quantized."""
-    itemsize = next(model.parameters()).dtype.itemsize
-    quantized = held.fp16 // 2 - held.residual // itemsize
-    if not per_token or quantized <= 0:
-        return None
-    return (held.packed + held.scales) / quantized * per_token
+        frontier["whole"], cal = stored_calibration(load, specs, cal_input, notes, progress,
+                                                    "whole-cache budget")
+    except PolicyError as exc:
+        notes.append(f"whole-cache budgets {', '.join(n for n, _ in specs)}: refused ({exc})")
+        return
+    for name, spec in specs:
+        try:
+            run_policy(name, "whole", spec, calibration=cal, retrieve=True)
+        except PolicyError as exc:
+            notes.append(f"{name}: refused ({exc})")

@@ -9,6 +9,7 @@ from kvpolicy.errors import KVPolicyError
 from kvpolicy.evaluation import (
     NextTokenReference,
     decode_perplexity,
+    peer_rows,
     retrieval_task,
     run,
     score_retrieval,
@@ -103,10 +104,11 @@ def test_quanto_peer_runs_carry_kl_and_a_retrieval_row():
     task = retrieval_task(_ids(2, 48, seed=2), multiple=16)
     score_retrieval(load(), task, "fp", reference=retrieval_ref, record=True, progress=False)
     per_token = run._elements_per_token(load())
-    rows, retrieved = run._peer_runs(load, segs, 64, 16, fp.perplexity, _SMALL, per_token,
-                                     False, [], ref, task, retrieval_ref)
+    rows, retrieved = peer_rows.peer_runs(load, segs, 64, 16, fp.perplexity, _SMALL,
+                                          per_token, False, [], ref, task, retrieval_ref)
     assert [r.name for r in rows][0] == "quanto default axes (0, 0)"
     assert all(r.kl > 0 and 0 <= r.top1_agreement <= 1 for r in rows)
+    assert all(r.avg_stored_bits < r.whole_bits for r in rows)  # its window counted too
     (name, row), = retrieved.items()
     assert name == rows[1].name and row.tokens == 2 * task.steps
     assert row.agreement is not None

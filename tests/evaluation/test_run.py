@@ -11,10 +11,12 @@ from kvpolicy.evaluation import (
     RunResult,
     decode_perplexity,
     frontier_dominance,
+    peer_rows,
     peers,
     run,
 )
-from kvpolicy.evaluation.stored import QUICK_STORED_GROUPS, STORED_BUDGETS
+from kvpolicy.evaluation.stored import QUICK_STORED_GROUPS, STORED_BUDGETS, WHOLE_BUDGETS
+from kvpolicy.policies.footprint import CONTEXT
 from kvpolicy.zoo.tiny import tiny_model
 
 
@@ -85,9 +87,9 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
     assert [(r["layer"], r["tensor"]) for r in rows][:2] == [(0, "key"), (0, "value")]
     assert "## Where the tensors are consumed" in (tmp_path / "report.md").read_text()
     # Frontier: budget runs allocated from one calibration, within their budgets; one more
-    # calibration in the relative currency for the middle budget, and one for the
-    # stored-bits budgets.
-    assert len(calibrations) == 3
+    # calibration in the relative currency for the middle budget, one for the stored-bits
+    # budgets and one for the whole-cache budgets.
+    assert len(calibrations) == 4
     currency = [r for r in report.runs if r.group == "currency"]
     assert [r.name for r in currency] == ["budget 2.5, relative-error currency"]
     assert currency[0].avg_bits <= 2.5 and currency[0].settings["budget"] == 2.5
@@ -134,7 +136,22 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
         assert r.measured_bytes_per_token * 8 / elems <= b + 1e-9
         assert r.kl is not None and r.top1_agreement is not None and r.ratio > 0
     assert stored[1].avg_stored_bits > stored[0].avg_stored_bits  # 3 buys more than 2.5
-    assert set(report.frontier["dominated_by"]) == {r.name for r in budgets + stored}
+    # Whole-cache budgets (WHOLE_BUDGETS at CONTEXT tokens): 2.0 fits the tiny model's
+    # codes beside its sinks, residual and incomplete chunk in full precision, 1.5 does not
+    # (a note says so, no row); every kvpolicy run carries its whole-cache bits.
+    whole = [r for r in report.runs if r.group == "whole"]
+    assert [r.name for r in whole] == ["whole-cache budget 2"]
+    assert report.frontier["whole"]["budgets"] == list(WHOLE_BUDGETS) == [2.0, 1.5]
+    assert whole[0].settings["budget"] == 2.0
+    assert whole[0].settings["defaults"]["budget_context"] == CONTEXT
+    assert 0.9 * 2.0 < whole[0].whole_bits <= 2.0 + 1e-9
+    assert whole[0].avg_stored_bits < whole[0].whole_bits  # the windows are counted
+    assert any(n.startswith("whole-cache budget 1.5: refused (the budget holds")
+               for n in report.notes)
+    for r in budgets + stored + [derived]:
+        assert r.avg_stored_bits < r.whole_bits < r.avg_stored_bits + 0.2
+    assert report.runs[0].whole_bits is None  # fp is not on the frontier
+    assert set(report.frontier["dominated_by"]) == {r.name for r in budgets + stored + whole}
     budget_json = [r for r in data["runs"] if r["group"] == "budget"]
     assert budget_json[1]["settings"]["value_bits"] == budgets[1].settings["value_bits"]
     assert budget_json[1]["bytes_per_token"] == budgets[1].bytes_per_token
@@ -154,7 +171,8 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
     # tokenizer, no calibration text) keeps one width too.
     assert [r.name for r in report.retrieval] == [
         "full precision (DynamicCache)", "derived policy", "groups of 16 (8-bit metadata)",
-        "one width per key", "budget 2.5", "stored budget 2.5", "stored budget 3"]
+        "one width per key", "budget 2.5", "stored budget 2.5", "stored budget 3",
+        "whole-cache budget 2"]
     assert report.retrieval_setup == {"passages": 2, "length": 48, "prefix": 16, "steps": 32,
                                       "source": "random"}
     assert all(r.tokens == 64 and 0 <= r.top1 <= 1 for r in report.retrieval)
@@ -165,13 +183,15 @@ def test_quick_eval_writes_a_report_with_every_ablation(tmp_path, monkeypatch):
     mid = budgets[1]
     assert f"| budget 2.5 | {mid.avg_bits:.3f} | {mid.bytes_per_token:.1f} |" in md
     assert "### Widths allocated by budget 2.5" in md
-    for r in stored:  # in the frontier table, with its stored bits, KL and top-1
+    for r in stored + whole:  # in the frontier table, with its stored bits, KL and top-1
         assert (f"| {r.name} | {r.avg_bits:.3f} | {r.bytes_per_token:.1f} | "
-                f"{r.avg_stored_bits:.3f} |") in md
+                f"{r.avg_stored_bits:.3f} | {r.whole_bits:.3f} |") in md
         assert f"{r.kl:.3g} | {r.top1_agreement:.3f} |" in md
     assert "One more calibration for the stored-bits budgets" in md
     assert [r["name"] for r in data["runs"] if r["group"] == "stored"] == [r.name for r in stored]
-    assert md.count("not dominated") + md.count("dominated by") == 5
+    assert "One more calibration for the whole-cache budgets (at 4,096 tokens)" in md
+    assert data["runs"][-1]["whole_bits"] == whole[0].whole_bits
+    assert md.count("not dominated") + md.count("dominated by") == 6
 
 
 def _point(name, group, bytes_per_token, perplexity):
@@ -205,9 +225,16 @@ def test_quanto_steady_state_bytes_match_what_its_cache_holds(axes):
     )
     held = peers.cache_bytes(res.cache)
     assert held.packed > 0 and held.residual > 0  # quantized tokens and a window
-    steady = run._quanto_bytes_per_token(per_token, 2, 16, model)
+    steady = peer_rows.quanto_bytes_per_token(per_token, 2, 16, model)
     assert steady == per_token * (2 / 8 + 2 * 4 / 16)
-    assert run._quanto_measured_bytes_per_token(held, per_token, model) == steady
+    assert peer_rows.quanto_measured_bytes_per_token(held, per_token, model) == steady
+    # Over the whole cache at CONTEXT tokens: the body at the steady rate, the 8-token
+    # window in fp32, the same count kvpolicy's whole-cache figure makes.
+    whole = peer_rows.quanto_whole_bits(steady, per_token, 8, model)
+    assert whole == pytest.approx(
+        (steady * (CONTEXT - 8) + per_token * 4 * 8) * 8 / (per_token * CONTEXT), rel=1e-12)
+    assert steady * 8 / per_token < whole
+    assert peer_rows.quanto_whole_bits(None, per_token, 8, model) is None
 
 
 def test_text_file_needs_a_model_with_a_tokenizer(tmp_path):
