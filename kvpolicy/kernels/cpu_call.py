@@ -46,6 +46,8 @@ def compact_rope(rope: RotarySpec) -> tuple[torch.Tensor, torch.Tensor]:
 
 def bh_slabs(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """``t`` with each ``[b, h]`` slab contiguous, and its batch and head strides."""
+    if t.is_contiguous():  # the common case, without the Python loop (once per field)
+        return t, t.stride(0), t.stride(1)
     want = 1
     for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:]), strict=True):
         if size != 1 and stride != want:
