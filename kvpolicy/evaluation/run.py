@@ -317,10 +317,10 @@ def evaluate(
                     progress)
 
     if peers:
-        peer_rows, peer_retrieved = peer_runs(load, segs, context, steps, fp.perplexity, user,
-                                               per_token, progress, notes, ref, task,
-                                               retrieval_ref)
-        runs += peer_rows
+        quanto_rows, peer_retrieved = peer_runs(load, segs, context, steps, fp.perplexity,
+                                                user, per_token, progress, notes, ref, task,
+                                                retrieval_ref)
+        runs += quanto_rows
         retrieved.update(peer_retrieved)
     frontier["dominated_by"] = frontier_dominance(runs)
     study_bits = bits
