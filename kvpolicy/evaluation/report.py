@@ -261,6 +261,10 @@ class EvalReport:
         return lines
 
 
+# frontier.png's second panel: the points at most this far above full precision.
+ZOOM_RATIO = 1.2
+
+
 def frontier_points(runs: list[RunResult]) -> list[RunResult]:
     """The frontier's runs: uniform widths ("bits" group), budgets (and the "currency" run),
     stored-bits budgets over the body ("stored") and over the whole cache ("whole"), the hand
@@ -352,16 +356,18 @@ def _frontier_plot(report: EvalReport, out: Path, plt) -> None:
     """``frontier.png``: perplexity ratio against stored bits per element of the whole cache
     after ``CONTEXT`` tokens (codes, scales and zeros, and the full-precision sinks, residual
     window and incomplete chunk: everything a cache holds, so that choices trading any of
-    them are placed fairly), per series; with a second panel zoomed onto kvpolicy's own
-    points when a peer sits far above them."""
+    them are placed fairly), per series. When a point sits above ``ZOOM_RATIO`` (a peer, or
+    a budget that collapses) the first panel has a log scale and a second one shows the
+    points at or below it."""
     points = [r for r in frontier_points(report.runs) if r.whole_bits is not None]
     if not points:
         return
-    own = [r.ratio for r in points if r.group != "peer"]
-    zoom = bool(own) and max(r.ratio for r in points) > max(own) + 0.1
+    near = [r for r in points if r.ratio <= ZOOM_RATIO]
+    zoom = 1 < len(near) < len(points)
     fig, axes = plt.subplots(1, 2 if zoom else 1, figsize=(13 if zoom else 7, 4.5),
                              squeeze=False)
     for n_ax, ax in enumerate(axes[0]):
+        shown = near if n_ax else points
         placed: dict[float, int] = {}  # labels already at a compression: stack the next
         for group, label, style in (
             ("bits", "uniform width", "o-"), ("budget", "bit budget", "^-"),
@@ -370,9 +376,7 @@ def _frontier_plot(report: EvalReport, out: Path, plt) -> None:
             ("whole", "stored-bits budget over the whole cache", "X-"),
             ("split", "keys/values split by hand", "D"), ("peer", "quanto (peer)", "s"),
         ):
-            pts = sorted((r for r in points if r.group == group), key=lambda r: r.whole_bits)
-            if n_ax == 1:  # the zoomed panel: kvpolicy's points only
-                pts = [r for r in pts if r.group != "peer"]
+            pts = sorted((r for r in shown if r.group == group), key=lambda r: r.whole_bits)
             if not pts:
                 continue
             xs, ys = [r.whole_bits for r in pts], [r.ratio for r in pts]
@@ -382,10 +386,13 @@ def _frontier_plot(report: EvalReport, out: Path, plt) -> None:
                 placed[round(x, 1)] = k + 1
                 ax.annotate(r.name, (x, y), fontsize=7, xytext=(4, 3 - 9 * k),
                             textcoords="offset points")
+        if zoom and not n_ax:
+            ax.set_yscale("log")
         ax.set_xlabel(f"stored bits per element of the whole cache at {CONTEXT:,} tokens "
                       "(fp16: 16)")
         ax.set_ylabel("perplexity / full-precision perplexity")
-        ax.set_title(f"{report.model}: frontier" + (", kvpolicy's points" if n_ax else ""))
+        ax.set_title(f"{report.model}: frontier"
+                     + (f", ratios up to {ZOOM_RATIO:g}" if n_ax else ""))
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "frontier.png", dpi=120)
