@@ -21,14 +21,21 @@ attention output that reads it is compared with the exact one:
   deviation in units of the channel's spread) kept exact in fp16 in both tensors, the
   other 64 coded as one group (priced at 16 bits for 1/65 of the tokens).
 
-Each row quantizes both tensors of every layer (the packed part: tokens after 4 sinks, in
-whole groups of 64); the other columns change one tensor at a time against the scalar
-2-bit row. Printed: the stored bits of each code, and the relative attention-output error
+The second table is end to end and for values alone: every value SmolLM2's ``v_proj``
+writes is replaced by its code (keys exact), and the model scores 4 pydoc segments of
+``--segment`` tokens from the start of the text (the codebooks were fitted on its end):
+perplexity, mean KL(fp || coded) of the next-token distributions and top-1 agreement, each
+against the same forward without codes. Every value is coded, the current token's and the
+most recent ones included, which a cache with a residual window would keep exact.
+
+Each row of the first table quantizes both tensors of every layer (the packed part: tokens
+after 4 sinks, in whole groups of 64); the other columns change one tensor at a time against
+the scalar 2-bit row. Printed: the stored bits of each code, and the relative attention-output error
 ``‖o' - o‖ / ‖o‖`` averaged over the 30 layers (every query row from the first packed group
 on reads only quantized tokens and the sinks: a harsher setting than a cache with a
 residual window, which is why the errors are large).
 
-    .venv/bin/python bench/vq_study.py [--tokens 1024] [--iters 25]
+    .venv/bin/python bench/vq_study.py [--tokens 1024] [--iters 25] [--segment 896]
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from kvpolicy.calibrate.metrics import roundtrip
 from kvpolicy.kernels import reference
 from kvpolicy.kernels.layout import QuantSpec
 from kvpolicy.kernels.rotation import rotation_matrix
+from kvpolicy.zoo import text
 
 SINKS, GROUP = 4, 64
 SCALAR = {  # name: (key spec, value spec, stored bits of each)
@@ -148,10 +156,76 @@ def output_error(act, k_pre: torch.Tensor, v: torch.Tensor) -> float:
     return float((got - exact)[:, :, rows].norm() / exact[:, :, rows].norm())
 
 
+def _code_values(v: torch.Tensor, rot: torch.Tensor, code) -> torch.Tensor:
+    """``v [B, T, Hkv * D]`` (a ``v_proj`` output) coded per head by ``code(head, x)`` on
+    rotated values ``x [T', D]``, rotated back."""
+    b, t, _ = v.shape
+    d = rot.shape[0]
+    x = (v.float().view(b, t, -1, d) @ rot).transpose(1, 2)  # [B, Hkv, T, D]
+    out = torch.stack([code(h, x[:, h].reshape(-1, d)).view(b, t, d)
+                       for h in range(x.shape[1])], 1)
+    return (out.transpose(1, 2) @ rot.T).reshape(v.shape).to(v.dtype)
+
+
+@torch.no_grad()
+def end_to_end(model, acts, segs: torch.Tensor, iters: int) -> list[str]:
+    """Rows of the end-to-end table: values coded in every layer, keys exact."""
+    d_head = acts[0].value.shape[-1]
+    rot = rotation_matrix("hadamard", d_head, acts[0].value.device)
+    layers = model.model.layers
+    ref = model(segs).logits[:, :-1].float().log_softmax(-1)
+    fp_nll = -ref.gather(-1, segs[:, 1:, None]).mean()
+
+    def scalar(spec: QuantSpec):
+        return lambda layer, h, x: roundtrip(x[None, None], spec)[0, 0]
+
+    def kmeans_code(dim: int, bits: float):
+        books = {}
+        for i, act in enumerate(acts):
+            vr = act.value @ rot  # [B, Hkv, T, D], both calibration rows
+            for h in range(vr.shape[1]):
+                x = vr[:, h].reshape(-1, d_head)
+                unit = x / (x.norm(dim=-1, keepdim=True) / math.sqrt(d_head)).clamp_min(1e-9)
+                books[i, h] = kmeans(unit.reshape(-1, dim), round(2 ** (bits * dim)), iters)
+
+        def code(layer: int, h: int, x: torch.Tensor) -> torch.Tensor:
+            rms = (x.norm(dim=-1, keepdim=True) / math.sqrt(d_head)).clamp_min(1e-9)
+            q = nearest(x / rms, books[layer, h])
+            return q * ((x * q).sum(-1, keepdim=True) / q.square().sum(-1, keepdim=True)
+                        ).nan_to_num(0.0)
+        return code
+
+    codes = {  # name: (stored bits of a value, code(layer, head, x))
+        name: (vb, scalar(vs)) for name, (_, vs, _, vb) in SCALAR.items()}
+    codes.update({f"k-means, {b:g} bits in {dm}-channel sub-vectors":
+                  (b + 0.125, kmeans_code(dm, b)) for dm, b in VQ})
+
+    def coding_hook(i: int, code):
+        return lambda mod, args, out: _code_values(out, rot, lambda h, x: code(i, h, x))
+
+    rows = []
+    for name, (bits, code) in codes.items():
+        hooks = [layer.self_attn.v_proj.register_forward_hook(coding_hook(i, code))
+                 for i, layer in enumerate(layers)]
+        try:
+            got = model(segs).logits[:, :-1].float().log_softmax(-1)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        nll = -got.gather(-1, segs[:, 1:, None]).mean()
+        kl = (ref.exp() * (ref - got)).sum(-1).mean()
+        agree = (got.argmax(-1) == ref.argmax(-1)).float().mean()
+        rows.append(f"| {name} | {bits:.3g} | {math.exp(nll - fp_nll):.4f} | {kl:.4f} | "
+                    f"{agree:.3f} |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per row (2 rows)")
     ap.add_argument("--iters", type=int, default=25, help="k-means iterations")
+    ap.add_argument("--segment", type=int, default=896,
+                    help="tokens per scored segment of the end-to-end table (4 segments)")
     args = ap.parse_args()
     torch.manual_seed(0)
     model, tok = zoo.load("smollm2-135m")
@@ -204,6 +278,13 @@ def main() -> None:
         e = [sum(errors[f"{name}|{c}"]) / len(acts) for c in ("both", "keys only",
                                                                 "values only")]
         print(f"| {name} | {bits[name]} | {e[0]:.3f} | {e[1]:.3f} | {e[2]:.3f} |")
+    t0 = time.perf_counter()
+    rows = end_to_end(model, acts, text.segments(tok, args.segment, 4), args.iters)
+    print(f"\n# end to end: values coded in every layer, keys exact; 4 pydoc segments of "
+          f"{args.segment} tokens from the start of the text; {time.perf_counter() - t0:.0f} s")
+    print("| value code | stored bits | perplexity x fp | KL to fp | top-1 = fp |")
+    print("|---|---|---|---|---|")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":
