@@ -32,9 +32,9 @@ def check_peer_context(model: torch.nn.Module, context: int, user: dict[str, Any
 
 
 def peer_runs(load, segs, context, steps, fp_ppl, user, per_token, progress, notes,
-               reference: NextTokenReference, task: RetrievalTask | None,
-               retrieval_ref: NextTokenReference
-               ) -> tuple[list[RunResult], dict[str, RetrievalResult]]:
+              reference: NextTokenReference, task: RetrievalTask | None,
+              retrieval_ref: NextTokenReference
+              ) -> tuple[list[RunResult], dict[str, RetrievalResult]]:
     """transformers' quanto cache at the policy's bits, group and residual: all four axis
     pairs (its users pick them by hand), reported with the default and the best; the best
     also on the retrieval ``task``."""
@@ -87,7 +87,7 @@ def peer_runs(load, segs, context, steps, fp_ppl, user, per_token, progress, not
 
 
 def quanto_bytes_per_token(per_token: int | None, bits: int, group_size: int,
-                            model: torch.nn.Module) -> float | None:
+                           model: torch.nn.Module) -> float | None:
     """Steady-state bytes per token of transformers' quanto ``QuantizedCache``, counted as
     ``ModelPolicy.bytes_per_token`` counts ours: codes plus per-group scale and zero, no
     full-precision window.
@@ -113,7 +113,7 @@ def quanto_bytes_per_token(per_token: int | None, bits: int, group_size: int,
 
 
 def quanto_measured_bytes_per_token(held, per_token: int | None,
-                                     model: torch.nn.Module) -> float | None:
+                                    model: torch.nn.Module) -> float | None:
     """Bytes per quantized token of a quanto cache as held: (codes + scales + shifts) over
     the quantized elements (all elements less the full-precision residual window's), times
     the elements per token. None when nothing is quantized."""
