@@ -105,20 +105,29 @@ def vq_keys(train: torch.Tensor, test: torch.Tensor, d: int, bits: float, iters:
     return out
 
 
+def rms_unit(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., D]`` over each row's RMS."""
+    return x / (x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1])).clamp_min(1e-9)
+
+
+def value_codebook(x: torch.Tensor, d: int, bits: float, iters: int) -> torch.Tensor:
+    """Centroids of the ``d``-channel sub-vectors of rotated values ``x [..., D]``, each
+    value first brought to unit RMS."""
+    return kmeans(rms_unit(x).reshape(-1, d), round(2 ** (bits * d)), iters)
+
+
+def vq_code(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Rotated values ``x [..., D]`` coded with ``codebook``: the nearest centroids of their
+    unit-RMS sub-vectors, times one least-squares scale per value."""
+    q = nearest(rms_unit(x), codebook)
+    scale = (x * q).sum(-1, keepdim=True) / q.square().sum(-1, keepdim=True)
+    return q * scale.nan_to_num(0.0)
+
+
 def vq_values(train: torch.Tensor, test: torch.Tensor, d: int, bits: float, iters: int):
     """Rotated values ``[Hkv, T, D]``, coded per head with one scale per token."""
-    out = torch.empty_like(test)
-    root = math.sqrt(test.shape[-1])
-
-    def unit(x: torch.Tensor) -> torch.Tensor:
-        return x / (x.norm(dim=-1, keepdim=True) / root).clamp_min(1e-9)
-
-    for h in range(test.shape[0]):
-        cb = kmeans(unit(train[h]).reshape(-1, d), round(2 ** (bits * d)), iters)
-        q = nearest(unit(test[h]), cb)
-        scale = (test[h] * q).sum(-1, keepdim=True) / q.square().sum(-1, keepdim=True)
-        out[h] = q * scale.nan_to_num(0.0)
-    return out
+    return torch.stack([vq_code(test[h], value_codebook(train[h], d, bits, iters))
+                        for h in range(test.shape[0])])
 
 
 def exact_outliers(k: torch.Tensor, v: torch.Tensor, ks: QuantSpec, vs: QuantSpec
@@ -184,16 +193,8 @@ def end_to_end(model, acts, segs: torch.Tensor, iters: int) -> list[str]:
         for i, act in enumerate(acts):
             vr = act.value @ rot  # [B, Hkv, T, D], both calibration rows
             for h in range(vr.shape[1]):
-                x = vr[:, h].reshape(-1, d_head)
-                unit = x / (x.norm(dim=-1, keepdim=True) / math.sqrt(d_head)).clamp_min(1e-9)
-                books[i, h] = kmeans(unit.reshape(-1, dim), round(2 ** (bits * dim)), iters)
-
-        def code(layer: int, h: int, x: torch.Tensor) -> torch.Tensor:
-            rms = (x.norm(dim=-1, keepdim=True) / math.sqrt(d_head)).clamp_min(1e-9)
-            q = nearest(x / rms, books[layer, h])
-            return q * ((x * q).sum(-1, keepdim=True) / q.square().sum(-1, keepdim=True)
-                        ).nan_to_num(0.0)
-        return code
+                books[i, h] = value_codebook(vr[:, h], dim, bits, iters)
+        return lambda layer, h, x: vq_code(x, books[layer, h])
 
     codes = {  # name: (stored bits of a value, code(layer, head, x))
         name: (vb, scalar(vs)) for name, (_, vs, _, vb) in SCALAR.items()}

@@ -10,7 +10,7 @@ not divide head_dim, is written in the tensor's reason. A conflict is blamed on 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -421,20 +421,29 @@ def whole_cache_residuals(policy: ModelPolicy, spec: PolicySpec) -> ModelPolicy:
     residual (the defaults or any rule), its reason saying so."""
     if spec.defaults.budget_context is None or _writes_residual(spec):
         return policy
-    tensors = []
-    for t in policy.tensors:
-        r = min(t.residual, WHOLE_CACHE_RESIDUAL)
-        if r != t.residual:
-            t = t.model_copy(update={"residual": r, "reason": t.reason + (
-                f"; residual {r}, not {t.residual}: a whole-cache budget pays every "
-                f"full-precision token, and fewer of them leave the packed tokens more bits")})
-        tensors.append(t)
-    return policy.model_copy(update={"tensors": tuple(tensors)})
+    return policy.model_copy(update={"tensors": _cut_residuals(
+        policy, lambda i, t: WHOLE_CACHE_RESIDUAL,
+        lambda i, t: "a whole-cache budget pays every full-precision token, and fewer of "
+                     "them leave the packed tokens more bits")})
 
 
 def _writes_residual(spec: PolicySpec) -> bool:
     return ("residual" in spec.defaults.model_fields_set
             or any(r.residual is not None for r in spec.overrides))
+
+
+def _cut_residuals(policy: ModelPolicy, limit: Callable[[int, TensorPolicy], int],
+                   why: Callable[[int, TensorPolicy], str]) -> tuple[TensorPolicy, ...]:
+    """``policy``'s tensors, tensor ``i``'s residual cut to ``limit(i, t)`` (never raised),
+    the reason of each one cut ending with ``why(i, t)``."""
+    tensors = []
+    for i, t in enumerate(policy.tensors):
+        r = min(t.residual, limit(i, t))
+        if r != t.residual:
+            t = t.model_copy(update={"residual": r, "reason": (
+                f"{t.reason}; residual {r}, not {t.residual}: {why(i, t)}")})
+        tensors.append(t)
+    return tuple(tensors)
 
 
 def local_residuals(policy: ModelPolicy, spec: PolicySpec,
@@ -445,19 +454,18 @@ def local_residuals(policy: ModelPolicy, spec: PolicySpec,
     if not windows:
         return policy
     record = tuple(windows.get(i) for i in range(policy.num_layers))
-    written = _writes_residual(spec)
-    tensors = []
-    for i, t in enumerate(policy.tensors):
+
+    def share(i: int, t: TensorPolicy) -> int:
         w = record[i // 2]
-        r = t.residual if written or w is None else min(
-            t.residual, t.residual * w // LOCAL_REFERENCE)
-        if r != t.residual:
-            t = t.model_copy(update={"residual": r, "reason": t.reason + (
-                f"; residual {r}, not {t.residual}: a local layer (window {w}) holds about "
-                f"a window of tokens, so it keeps the share of it in full precision that "
-                f"{t.residual} is of {LOCAL_REFERENCE:,} tokens in a global layer")})
-        tensors.append(t)
-    return policy.model_copy(update={"tensors": tuple(tensors), "windows": record})
+        return t.residual if w is None else t.residual * w // LOCAL_REFERENCE
+
+    def why(i: int, t: TensorPolicy) -> str:
+        return (f"a local layer (window {record[i // 2]}) holds about a window of tokens, so "
+                f"it keeps the share of it in full precision that {t.residual} is of "
+                f"{LOCAL_REFERENCE:,} tokens in a global layer")
+
+    tensors = policy.tensors if _writes_residual(spec) else _cut_residuals(policy, share, why)
+    return policy.model_copy(update={"tensors": tensors, "windows": record})
 
 
 def _blamable(
