@@ -13,10 +13,12 @@ The machine is shared: the header prints the load average, read the ratios with 
 values both), side by side in the same interleaved run: ``meta8`` is uniform levels in
 groups of 16 with 8-bit scales and zeros (``meta_bits: 8``), the same stored bits as groups
 of 32 with fp16 ones; ``default`` and ``widths`` are ``bits=2``'s groups with one width
-per key and with per-channel key widths (the C++ kernel's gather of ``Params.kwid``).
+per key and with per-channel key widths (the C++ kernel's gather of ``Params.kwid``);
+``vq`` is uniform keys with vector-quantized values (``--bits`` 1 or 2, groups of 32, a
+random codebook: the kernel's gather of ``Params.vcb`` does not depend on the centroids).
 
     .venv/bin/python bench/cpu_attention.py [--threads 2] [--tokens 1024 8192]
-        [--levels uniform normal meta8 default widths]
+        [--levels uniform normal meta8 default widths vq]
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpolicy.kernels import cpu_ext
-from kvpolicy.kernels.layout import QuantSpec, RotarySpec
+from kvpolicy.kernels.layout import Codebook, QuantSpec, RotarySpec
 from kvpolicy.runtime.layer import PackedKVLayer
 
 HQ, HKV, D = 9, 3, 64
@@ -60,7 +62,7 @@ def specs(bits: int, variant: str) -> tuple[QuantSpec, QuantSpec]:
     """Key and value spec of one ``--levels`` entry (``meta8``: groups of 16, 8-bit
     metadata; ``default``: ``bits=2``'s groups, keys of 12 tokens and values of 32 channels,
     8-bit metadata, one width per key; ``widths``: the same with per-channel key widths,
-    :func:`channel_widths`)."""
+    :func:`channel_widths`; ``vq``: vector-quantized values, a random codebook)."""
     if variant == "meta8":
         return (QuantSpec(bits, 16, "channel", "uniform", 8),
                 QuantSpec(bits, 16, "token", "uniform", 8))
@@ -68,6 +70,11 @@ def specs(bits: int, variant: str) -> tuple[QuantSpec, QuantSpec]:
         widths = channel_widths(bits) if variant == "widths" else None
         return (QuantSpec(bits, 12, "channel", "uniform", 8, "mse", widths),
                 QuantSpec(bits, 32, "token", "uniform", 8))
+    if variant == "vq":
+        book = Codebook.from_tensor(torch.randn(HKV, 256, 8 // bits,
+                                                generator=torch.Generator().manual_seed(0)))
+        return QuantSpec(bits, 32, "channel"), QuantSpec(bits, 32, "token", "vq",
+                                                         codebook=book)
     return QuantSpec(bits, 32, "channel", variant), QuantSpec(bits, 32, "token", variant)
 
 
@@ -118,15 +125,15 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=2)
     parser.add_argument("--budget", type=float, default=3.0, help="seconds per size")
     parser.add_argument("--levels", nargs="+", default=["uniform"],
-                        choices=("uniform", "normal", "meta8", "default", "widths"),
+                        choices=("uniform", "normal", "meta8", "default", "widths", "vq"),
                         help="one packed cache per entry")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rope = rotary(max(args.tokens) + 1)
     native = all(
         cpu_ext.load(args.bits, args.bits, k.group_size, v.group_size, D, D, D // 2, 0,
-                     int(not k.uniform), int(not v.uniform), int(k.meta8),
-                     int(v.meta8)) is not None
+                     int(not k.uniform), int(not v.uniform and not v.vq), int(k.meta8),
+                     int(v.meta8), v.vq_dim if v.vq else 0) is not None
         for k, v in (specs(args.bits, lv) for lv in args.levels)
     )
     print(f"torch {torch.__version__}, {args.threads} threads, load average "

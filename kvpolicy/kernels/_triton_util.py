@@ -1,7 +1,7 @@
 """What the Triton kernel modules share: how Triton runs here, and the host side of the
 attention kernels (layout checks, strides, RoPE and mask arguments, split counts, the
 autotune configs and their prune filter, the level and threshold tables of non-uniform
-levels, the scale table of 8-bit metadata).
+levels, the scale table of 8-bit metadata, the codebook of vector-quantized values).
 
 :mod:`kvpolicy.kernels.triton_attention` (one packed segment) and
 :mod:`kvpolicy.kernels.triton_decode` (a packed and a full-precision segment in one
@@ -26,7 +26,7 @@ __all__ = [
     "keep_attention_config", "packed_dims", "kernel_strides", "inner_extent", "fast_layout",
     "choose_splits", "plan_splits", "dots_in_fp32", "rope_arguments", "mask_arguments",
     "check_softcap", "channel_blocks", "level_lut", "threshold_table", "meta_table",
-    "width_table",
+    "width_table", "vq_codebook",
 ]
 
 ROPE_STYLES = {None: 0, "rotate_half": 1, "interleaved": 2}
@@ -177,6 +177,19 @@ def packed_dims(p: Packed, spec: QuantSpec, what: str) -> tuple[int, int, int, i
     want = (b, h, n, d) if spec.axis == "channel" else (b, h, t, d // spec.group_size)
     if d % spec.group_size and spec.axis == "token":
         raise CacheError(f"{what}: head_dim={d} is not a multiple of group_size={spec.group_size}")
+    if spec.vq:
+        # No zero point: [B, H, T, 0], never read (pages gathered by a block table keep
+        # the pool's empty zero, so only its emptiness is checked).
+        if tuple(p.scale.shape) != want or p.zero.numel():
+            raise CacheError(f"{what}: vector-quantized values take scale {want} and an "
+                             f"empty zero, got scale {tuple(p.scale.shape)} and zero "
+                             f"{tuple(p.zero.shape)} for codes {tuple(c.shape)}")
+        meta_ok = p.scale.dtype == torch.uint8 if spec.meta8 else p.scale.is_floating_point()
+        if not meta_ok:
+            raise CacheError(f"{what}: the scale of vector-quantized values is "
+                             f"{'a uint8 index' if spec.meta8 else 'a float'} with "
+                             f"meta_bits={spec.meta_bits}, got {p.scale.dtype}")
+        return b, h, t, d
     if tuple(p.scale.shape) != want or tuple(p.zero.shape) != want:
         raise CacheError(f"{what}: scale {tuple(p.scale.shape)} and zero "
                          f"{tuple(p.zero.shape)} must both be {want} for codes {tuple(c.shape)}")
@@ -199,6 +212,8 @@ def kernel_strides(p: Packed, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tens
     if spec.full_precision:
         return c, c, (c.stride(0), c.stride(1), c.stride(2), c.stride(3), 0), (0, 0, 0, 0)
     scale, zero = p.scale, p.zero
+    if spec.vq:  # no zero point: the scale stands in for the pointer, never read
+        zero = scale
     if scale.stride() != zero.stride():
         scale, zero = scale.contiguous(), zero.contiguous()
     cs = c.stride() if c.dim() == 5 else (*c.stride(), 0)
@@ -217,7 +232,8 @@ def _pow2(n: int) -> bool:
 def fast_layout(spec: QuantSpec, axis: str, d: int) -> bool:
     """Whether the byte-at-a-time path reads this tensor (see triton_dequant)."""
     return (
-        spec.axis == axis and spec.bits in (1, 2, 4, 8) and _pow2(spec.group_size)
+        not spec.vq and spec.axis == axis and spec.bits in (1, 2, 4, 8)
+        and _pow2(spec.group_size)
         and (axis == "channel" or (_pow2(d) and spec.group_size <= d))
     )
 
@@ -376,6 +392,20 @@ def width_table(spec: QuantSpec, device: torch.device) -> torch.Tensor | None:
     (:func:`kvpolicy.kernels.reference.width_table`); None without them (``K_WID``
     False)."""
     return None if spec.widths is None else reference.width_table(spec, device)
+
+
+def vq_codebook(spec: QuantSpec, heads: int, device: torch.device) -> torch.Tensor | None:
+    """The fp32 centroids ``[heads, 256, d]`` of vector-quantized values on ``device``
+    (:meth:`kvpolicy.kernels.layout.Codebook.tensor`, built once per device, so a decode
+    step copies nothing), checked against the segment's kv heads (the kernels index them
+    by head); None for other specs (``V_VQ`` 0)."""
+    if not spec.vq:
+        return None
+    assert spec.codebook is not None  # QuantSpec checks it
+    if spec.codebook.heads != heads:
+        raise CacheError(f"the values' codebook has centroids for {spec.codebook.heads} kv "
+                         f"heads, the segment has {heads}")
+    return spec.codebook.tensor(device)
 
 
 def check_softcap(softcap: float | None) -> None:

@@ -211,8 +211,10 @@ def quantize_in_blocks(
     if x.shape[2] <= tokens:
         return quantize(x, spec, dtype)
     parts = [quantize(x[:, :, i : i + tokens], spec, dtype) for i in range(0, x.shape[2], tokens)]
-    fields = zip(*parts, strict=True)  # full-precision specs: empty scale and zero
-    return Packed(*(torch.cat(f, dim=2) if f[0].numel() else f[0] for f in fields))
+    if spec.full_precision:  # the plain tensor, and one empty scale and zero
+        return Packed(torch.cat([p.codes for p in parts], dim=2), parts[0].scale, parts[0].zero)
+    # Every field along dim 2, an empty VQ zero [B, H, t, 0] included.
+    return Packed(*(torch.cat(f, dim=2) for f in zip(*parts, strict=True)))
 
 
 def rope_rotate(xf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -1,6 +1,7 @@
 """What the torch backend hands the C++ CPU kernel (:mod:`kvpolicy.kernels.cpu_ext`) besides
-the cache's own tensors: slab strides, checked positions, compact rotary tables, and for
-8-bit metadata the fp32 scale table.
+the cache's own tensors: slab strides, checked positions and block tables, compact rotary
+tables, for 8-bit metadata the fp32 scale table, and for vector-quantized values their
+centroids.
 
 The kernel reads raw pointers: every tensor these return must stay alive for the call
 (the caller keeps them; the tables are cached here).
@@ -14,9 +15,10 @@ from functools import cache
 import torch
 
 from ..errors import CacheError
-from .layout import Packed, RotarySpec, scale_table
+from .layout import Packed, QuantSpec, RotarySpec, scale_table
 
-__all__ = ["bh_slabs", "checked_positions", "compact_rope", "is_meta8", "scale_table_f32"]
+__all__ = ["bh_slabs", "checked_blocks", "checked_positions", "compact_rope", "is_meta8",
+           "scale_table_f32", "value_codebook"]
 
 _rope_tables: weakref.WeakKeyDictionary[RotarySpec, tuple[torch.Tensor, torch.Tensor]] = (
     weakref.WeakKeyDictionary()
@@ -73,9 +75,36 @@ def checked_positions(
     return pos
 
 
+def checked_blocks(table: torch.Tensor, b: int, pages: int, check: bool) -> torch.Tensor:
+    """``table`` as contiguous int64 ``[b, nb]``, its ids checked against the ``pages``
+    the kernel reads (unless ``check`` is False: the caller guarantees them)."""
+    table = table.to(torch.int64).contiguous()
+    if table.dim() != 2 or table.shape[0] != b:
+        raise CacheError(f"block_table must be [B={b}, blocks], got {tuple(table.shape)}")
+    if check and table.numel() and (int(table.min()) < 0 or int(table.max()) >= pages):
+        raise CacheError(f"block_table names a block outside the {pages} pages given")
+    return table
+
+
+def value_codebook(spec: QuantSpec, heads: int) -> torch.Tensor | None:
+    """The fp32 centroids ``[heads, 256, d]`` of vector-quantized values (``Params.vcb``),
+    or None for values coded per element. Checked against the cache's kv heads, since the
+    kernel indexes them by head; cached per device by the codebook, so the pointer outlives
+    the call. Read with getattr: the kernel's tests hand in stand-ins of a spec without one."""
+    book = getattr(spec, "codebook", None)
+    if book is None:
+        return None
+    if book.heads != heads:
+        raise CacheError(f"the value codebook has centroids for {book.heads} kv heads, the "
+                         f"cache has {heads}")
+    return book.tensor("cpu")
+
+
 def is_meta8(p: Packed) -> bool:
     """Whether a packed segment stores 8-bit metadata: a uint8 scale index and an int8
-    zero point (``QuantSpec.meta_bits == 8``), which the kernel reads as stored."""
+    zero point (``QuantSpec.meta_bits == 8``), which the kernel reads as stored. Vector-
+    quantized values keep the zero's dtype on their empty ``[B, H, T, 0]`` zero (int8 with
+    a uint8 index, else the cache dtype), so they answer the same way."""
     m8 = p.scale.dtype == torch.uint8
     if m8 != (p.zero.dtype == torch.int8):
         raise CacheError(

@@ -4,7 +4,9 @@
 // KVP_HALF (rotary_dim / 2), KVP_SDT (storage type of scales, zeros and fp tokens),
 // KVP_KLUT/KVP_VLUT (1: a code's value is table[code], Params.klut/vlut; 0: the code itself)
 // and KVP_KM8/KVP_VM8 (1: the keys' / values' scale is a uint8 index into Params.stab and
-// their zero an int8 point p, zero = -p * scale / 4; 0: both in the storage type KVP_SDT).
+// their zero an int8 point p, zero = -p * scale / 4; 0: both in the storage type KVP_SDT),
+// and KVP_VVQ (d > 0: vector-quantized values, one byte per d channels indexing Params.vcb,
+// a scale per group and no zero; 0: values coded per element).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -61,6 +63,10 @@ struct Params {
   // pages [num_blocks, Hkv, ...] (their *_sb strides step one page) of bsz tokens each, and
   // token t of row b is token t % bsz of page btab[b * btab_sb + t / bsz] (chunk divides bsz)
   const int64_t* btab; int64_t btab_sb, bsz;
+  // vector-quantized values (layout.QuantSpec.levels "vq"): [Hkv, 256, KVP_VVQ] fp32
+  // centroids, non-null exactly when built with KVP_VVQ > 0; then vc is [.., Tk, Dv / KVP_VVQ]
+  // byte indices, vs one scale per group of Gv channels and vz unused (a VQ group has no zero)
+  const float* vcb;
 };
 }
 
@@ -116,6 +122,10 @@ inline float to_f32(uint16_t h) {
 constexpr int64_t Dk = KVP_DK, Dv = KVP_DV, Gk = KVP_GK, Gv = KVP_GV;
 constexpr bool KLUT = KVP_KLUT != 0, VLUT = KVP_VLUT != 0;
 constexpr bool KM8 = KVP_KM8 != 0, VM8 = KVP_VM8 != 0;
+constexpr int VVQ = KVP_VVQ;  // channels per vector-quantized value byte; 0: none
+static_assert(VVQ == 0 || (VVQ * KVP_VB == 8 && Gv % VVQ == 0 && !VLUT),
+              "VQ values: d = 8 / bits channels per byte, whole sub-vectors per group, no "
+              "level table");
 
 // n groups' fp32 scale and zero from 8-bit metadata: s = stab[index], zero = -point * s / 4
 // (layout.ZERO_STEPS: quarters of the step; dividing by 4 is exact, like the reference's).
@@ -144,6 +154,35 @@ inline void group_meta(const float* stab, const void* s, int64_t so, const void*
     const SType* ss = (const SType*)s + so;
     const SType* zs = (const SType*)z + zo;
     for (int64_t i = 0; i < n; ++i) { sc[i] = to_f32(ss[i]); zc[i] = to_f32(zs[i]); }
+  }
+}
+
+// The fp32 scales of n vector-quantized value groups, `so` elements into `s`: 8-bit indices
+// into stab or the storage type, widened. No zero is read: a VQ group has none (its stored
+// zero is an empty tensor).
+template <bool M8>
+inline void group_scales(const float* stab, const void* s, int64_t so, int64_t n, float* sc) {
+  if constexpr (M8) {
+    const uint8_t* idx = (const uint8_t*)s + so;
+    for (int64_t i = 0; i < n; ++i) sc[i] = stab[idx[i]];
+  } else {
+    const SType* ss = (const SType*)s + so;
+    for (int64_t i = 0; i < n; ++i) sc[i] = to_f32(ss[i]);
+  }
+}
+
+// One vector-quantized value row: vrow[u*VVQ + i] = cb[row[u]*VVQ + i] * sc[group], the
+// plain fp32 product of vq_codes.vq_decode (no FMA, nothing to fold: there is no zero).
+// NOTE: gcc's vectorisation of this loop, no intrinsics. bench/cpu_attention.py --threads 1
+// --tokens 8192 --levels uniform vq (whole step, medians, load ~2.7): 2 bits 1.26-1.30 ms
+// against 1.50-1.54 ms for uniform values; 1 bit 1.06 against 1.45 ms.
+inline void vq_row(const float* cb, const uint8_t* row, const float* sc, float* vrow) {
+  if constexpr (VVQ > 0) {
+    for (int64_t u = 0; u < Dv / VVQ; ++u) {
+      const float* c = cb + (int64_t)row[u] * VVQ;
+      const float s = sc[u * VVQ / Gv];
+      for (int i = 0; i < VVQ; ++i) vrow[u * VVQ + i] = c[i] * s;
+    }
   }
 }
 
@@ -447,6 +486,11 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
         const int64_t tp = t - toff;
         const uint8_t* row = P.vc + pb * P.vc_sb + h * P.vc_sh + tp * vbytes;
         float stt[ngv], ztt[ngv];
+        if constexpr (VVQ > 0) {  // vbytes = Dv / VVQ: one byte per sub-vector
+          group_scales<VM8>(P.stab, P.vs, pb * P.vs_sb + h * P.vs_sh + tp * ngv, ngv, stt);
+          vq_row(P.vcb + h * 256 * VVQ, row, stt, vrow);
+          continue;
+        }
         group_meta<VM8>(P.stab, P.vs, pb * P.vs_sb + h * P.vs_sh + tp * ngv, P.vz,
                         pb * P.vz_sb + h * P.vz_sh + tp * ngv, ngv, stt, ztt);
 #if defined(__AVX2__) && defined(__FMA__)
@@ -655,11 +699,11 @@ void run(const Params& P) {
 // One instance per library, specialised by -D: bits, group sizes and head dims, so that every
 // inner loop has a compile-time trip count. Returns 1 (nothing run) for a Params this library
 // was not built for: a null stab says "no 8-bit metadata", but which of keys and values has
-// it is the caller's to match (cpu_ext.load with km8/vm8).
+// it is the caller's to match (cpu_ext.load with km8/vm8); a null vcb says "no VQ values".
 extern "C" int kvp_packed_attention(const Params* P, int kbits, int vbits) {
   if (kbits != KVP_KB || vbits != KVP_VB || P->Dk != KVP_DK || P->Dv != KVP_DV ||
       P->sdt != KVP_SDT || (P->klut != nullptr) != KLUT || (P->vlut != nullptr) != VLUT ||
-      (P->stab != nullptr) != (KM8 || VM8) ||
+      (P->stab != nullptr) != (KM8 || VM8) || (P->vcb != nullptr) != (VVQ > 0) ||
       P->Gk != KVP_GK || P->Gv != KVP_GV || (P->rope_style != 0 && P->half != KVP_HALF))
     return 1;
   run<KVP_KB, KVP_VB>(*P);

@@ -14,7 +14,9 @@ value axis "token", bits in {1, 2, 3, 4, 8} each, uniform or normal levels for k
 values each (a normal spec's code is looked up in its level table, passed as fp32),
 16- or 8-bit metadata for keys and values each (``QuantSpec.meta_bits``; 8: a uint8 scale
 index read through :func:`~kvpolicy.kernels.layout.scale_table`, passed as fp32, and an
-int8 zero point, zero ``= -point * scale / 4``), no RoPE or rotate_half / interleaved, with or
+int8 zero point, zero ``= -point * scale / 4``), vector-quantized values (levels ``"vq"``
+at 1 or 2 bits: each byte indexes the kv head's centroids, passed as fp32, times the
+group's scale), no RoPE or rotate_half / interleaved, with or
 without logit soft-capping (a run-time field, not a ``-D``: no extra libraries).
 Queries are passed as pre-scaled fp32; 16-bit-metadata scales and zeros and full-precision
 tokens in their storage dtype (fp32, bf16 or fp16), widened inside the kernel; 8-bit
@@ -22,9 +24,9 @@ metadata as stored (uint8 / int8).
 
 The C++ source is ``cpu_ext.cpp`` next to this module. Each library is specialised by
 ``-D`` (bits, group sizes, head dims, rotary width, storage dtype, level table or not,
-8-bit metadata or not) so every inner loop has a compile-time trip count, a uniform spec
-runs no table lookup and 16-bit metadata reads no scale table, and is built with the C++
-compiler (:func:`compiler`) on first use into
+8-bit metadata or not, VQ values or not) so every inner loop has a compile-time trip
+count, a uniform spec runs no table lookup and 16-bit metadata reads no scale table, and is
+built with the C++ compiler (:func:`compiler`) on first use into
 ``~/.cache/kvpolicy/cpu_ext/<hash>-<config>/`` (the hash covers the source, the flags and
 the CPU's feature flags, because of ``-march=native``).
 
@@ -113,6 +115,7 @@ class Params(ctypes.Structure):
         ("stab", ctypes.c_void_p),
         ("kwid", ctypes.c_void_p),
         ("btab", ctypes.c_void_p), ("btab_sb", ctypes.c_int64), ("bsz", ctypes.c_int64),
+        ("vcb", ctypes.c_void_p),
     ]
 
 
@@ -132,13 +135,19 @@ def _cpu_flags() -> str:
 
 
 _DEFINES = ("KVP_KB", "KVP_VB", "KVP_GK", "KVP_GV", "KVP_DK", "KVP_DV", "KVP_HALF", "KVP_SDT",
-            "KVP_KLUT", "KVP_VLUT", "KVP_KM8", "KVP_VM8")
+            "KVP_KLUT", "KVP_VLUT", "KVP_KM8", "KVP_VM8", "KVP_VVQ")
+# Defines from KVP_VVQ on are left out of a library's directory name while 0, so that a
+# configuration named without them (12 numbers) is the same library as with them at 0.
+_NAMED = 12
 
 
 def _build_dir(config: tuple[int, ...]) -> Path:
     key = hashlib.sha256((_source() + " ".join(_FLAGS) + _cpu_flags()).encode()).hexdigest()[:16]
     root = Path(os.environ.get("KVPOLICY_CACHE_DIR", Path.home() / ".cache" / "kvpolicy"))
-    return root / "cpu_ext" / f"{key}-{'-'.join(map(str, config))}"
+    named = list(config)
+    while len(named) > _NAMED and named[-1] == 0:
+        named.pop()
+    return root / "cpu_ext" / f"{key}-{'-'.join(map(str, named))}"
 
 
 def compiler() -> str | None:
@@ -152,21 +161,23 @@ def compiler() -> str | None:
 
 def build(
     kbits: int, vbits: int, gk: int, gv: int, dk: int, dv: int, half: int = 0, sdt: int = 0,
-    klut: int = 0, vlut: int = 0, km8: int = 0, vm8: int = 0,
+    klut: int = 0, vlut: int = 0, km8: int = 0, vm8: int = 0, vvq: int = 0,
 ) -> ctypes.CDLL:
     """The kernel library for these bits, group sizes, head dims, rotary half-width (0: no
     RoPE), storage type of 16-bit-metadata scales/zeros and of fp tokens (0 fp32, 1 bf16,
     2 fp16), levels of keys / values (``klut``/``vlut`` 1: a level table,
     ``Params.klut``/``vlut``, is looked up; 0: uniform, the code is its own value) and
     metadata width of keys / values (``km8``/``vm8`` 1: 8-bit, a uint8 scale index into
-    ``Params.stab`` and an int8 zero point; 0: 16-bit, in the storage type), compiled on
-    first use and kept on disk.
+    ``Params.stab`` and an int8 zero point; 0: 16-bit, in the storage type) and
+    vector-quantized values (``vvq`` = d, the channels per code byte, ``8 // vbits``:
+    ``Params.vcb`` holds the centroids; 0: none, ``vlut`` then says how codes read),
+    compiled on first use and kept on disk.
 
     Raises:
         BuildError: no compiler is installed, the compiler failed (the message carries its
             output), or the library does not load.
     """
-    config = (kbits, vbits, gk, gv, dk, dv, half, sdt, klut, vlut, km8, vm8)
+    config = (kbits, vbits, gk, gv, dk, dv, half, sdt, klut, vlut, km8, vm8, vvq)
     out = _build_dir(config)
     so = out / "libkvpolicy_cpu.so"
     if not so.exists():
@@ -202,7 +213,7 @@ def build(
 
 def load(
     kbits: int, vbits: int, gk: int, gv: int, dk: int, dv: int, half: int = 0, sdt: int = 0,
-    klut: int = 0, vlut: int = 0, km8: int = 0, vm8: int = 0,
+    klut: int = 0, vlut: int = 0, km8: int = 0, vm8: int = 0, vvq: int = 0,
 ) -> ctypes.CDLL | None:
     """:func:`build`, or None if the library cannot be built: the caller then uses the
     eager path, and the reason is logged once at warning level. Cached per configuration.
@@ -210,7 +221,7 @@ def load(
     """
     if os.environ.get("KVPOLICY_NO_CPP", "") not in ("", "0"):
         return None
-    key = (kbits, vbits, gk, gv, dk, dv, half, sdt, klut, vlut, km8, vm8)
+    key = (kbits, vbits, gk, gv, dk, dv, half, sdt, klut, vlut, km8, vm8, vvq)
     if key in _libs:
         return _libs[key]
     with _lock:

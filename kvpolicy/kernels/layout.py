@@ -88,6 +88,29 @@ stream in which channel ``d``'s G codes follow each other, token ``t``'s code at
 ``2**widths[h][d] - 1`` steps. A key is contracted over channels, so its error in channel
 ``d`` costs about ``E[q_d²] · step_d²``: the widths follow where the queries look.
 
+Vector-quantized values (``QuantSpec.levels == "vq"``; axis "token" only, values). Each
+group of G channels of one token is split into sub-vectors of ``d = 8 // bits`` channels
+(:func:`vq_dim`: 4 at 2 bits, 8 at 1 bit), and each sub-vector is one byte, an index into
+:data:`VQ_ENTRIES` centroids of ``d`` channels learned per kv head (:class:`Codebook`,
+stored in fp16). One scale per group, no zero:
+
+    r     = sqrt(mean(group**2))                       (0: every code 0, scale 0)
+    code  = argmin_k |group[j*d:(j+1)*d] / r - C[h, k]|**2   (the first k on a tie)
+    c     = concat_j C[h, code_j]                      the group's centroids, fp32
+    scale = max(<group, c> / <c, c>, 0)                (least squares; 0 where <c, c> = 0)
+            stored in the cache dtype, or (8-bit metadata) as the uint8 index of the
+            nearest :func:`scale_table` entry (log-nearest: i = round(8 * log2(scale)) + 128;
+            a zero scale is index 0, 2**-16, so an all-zero group decodes to within
+            2**-16 * |C[h, 0]| of zero)
+    x̂     = C[h, code_j][i] * scale                   (fp32 product, cast at the end)
+
+    codes  uint8 [B, H, T, D // d]     = D * bits // 8 bytes, the token layout's shape
+    scale  [B, H, T, D // G]
+    zero   [B, H, T, 0]                 (empty: a VQ group has no zero point)
+
+``G`` must be a multiple of ``d``. The centroids cost ``H * 256 * d * 2`` bytes per layer
+whatever the context, which the whole-cache accounting counts.
+
 This module is the one home of these facts (:data:`SUPPORTED_BITS`, :data:`FULL_PRECISION`,
 :func:`byte_aligned`). It imports torch only for type checking, so the policy schema can
 import them without loading torch.
@@ -108,7 +131,8 @@ if TYPE_CHECKING:
 __all__ = [
     "SUPPORTED_BITS", "FULL_PRECISION", "LEVELS", "NORMAL_LEVELS", "META_BITS", "ZERO_STEPS",
     "CHANNEL_WIDTHS", "channel_offsets", "byte_aligned", "level_table", "thresholds",
-    "scale_table", "QuantSpec", "Packed", "RotarySpec",
+    "scale_table", "QuantSpec", "Packed", "RotarySpec", "VQ_BITS", "VQ_ENTRIES", "vq_dim",
+    "Codebook",
 ]
 
 # The code widths the packed layout supports; 16 means "kept in full precision".
@@ -136,8 +160,73 @@ def byte_aligned(n: int, bits: int) -> bool:
     return bits >= FULL_PRECISION or (n * bits) % 8 == 0
 
 AxisName = Literal["channel", "token"]
-LevelsName = Literal["uniform", "normal"]
-LEVELS: tuple[str, ...] = ("uniform", "normal")
+LevelsName = Literal["uniform", "normal", "vq"]
+LEVELS: tuple[str, ...] = ("uniform", "normal", "vq")
+
+# Vector-quantized values (module docstring): widths in bits per element, one byte index per
+# sub-vector of 8 // bits channels into VQ_ENTRIES centroids.
+VQ_BITS: tuple[int, ...] = (1, 2)
+VQ_ENTRIES = 256
+
+
+def vq_dim(bits: int) -> int:
+    """Channels per vector-quantized sub-vector at ``bits`` bits per element: ``8 // bits``
+    (one byte index each)."""
+    return 8 // bits
+
+
+@dataclass(frozen=True)
+class Codebook:
+    """The centroids of vector-quantized values (module docstring): fp16, little-endian,
+    ``[heads, VQ_ENTRIES, dim]`` in ``data``. Hashable and compared by content, so a
+    :class:`QuantSpec` holding one stays a value; :meth:`tensor` gives the fp32 tensor the
+    kernels read, built once per device."""
+
+    heads: int
+    dim: int
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if self.heads < 1 or self.dim < 1:
+            raise CacheError(f"a codebook needs heads >= 1 and dim >= 1, got "
+                             f"{self.heads} and {self.dim}")
+        if len(self.data) != self.heads * VQ_ENTRIES * self.dim * 2:
+            raise CacheError(
+                f"a codebook of {self.heads} heads x {VQ_ENTRIES} centroids x {self.dim} "
+                f"channels holds {self.heads * VQ_ENTRIES * self.dim * 2} bytes of fp16, "
+                f"got {len(self.data)}"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the centroids take (fp16), per layer whatever the context."""
+        return len(self.data)
+
+    @classmethod
+    def from_tensor(cls, centroids: torch.Tensor) -> Codebook:
+        """The codebook of ``centroids [heads, VQ_ENTRIES, dim]`` (rounded to fp16)."""
+        import torch
+
+        if centroids.dim() != 3 or centroids.shape[1] != VQ_ENTRIES:
+            raise CacheError(f"centroids must be [heads, {VQ_ENTRIES}, dim], got "
+                             f"{tuple(centroids.shape)}")
+        c = centroids.detach().to("cpu", torch.float16).contiguous()
+        if not torch.isfinite(c).all():
+            raise CacheError("codebook centroids must be finite in fp16")
+        return cls(c.shape[0], c.shape[2], c.view(torch.uint8).numpy().tobytes())
+
+    def tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The centroids as fp32 ``[heads, VQ_ENTRIES, dim]`` on ``device`` (cached: a
+        pointer into it stays valid)."""
+        return _codebook_tensor(self, str(device))
+
+
+@cache
+def _codebook_tensor(book: Codebook, device: str) -> torch.Tensor:
+    import torch
+
+    raw = torch.frombuffer(bytearray(book.data), dtype=torch.float16)
+    return raw.float().reshape(book.heads, VQ_ENTRIES, book.dim).to(device).contiguous()
 
 # Lloyd-Max quantizer of N(0, 1), 2**bits levels: each level the mean of the normal
 # density between its thresholds (Lloyd's iteration to 1e-13, rounded to 6 digits).
@@ -210,6 +299,8 @@ class QuantSpec:
     fit: str = "minmax"
     # Per kv head, per channel code widths (module docstring); None: ``bits`` everywhere.
     widths: tuple[tuple[int, ...], ...] | None = None
+    # The centroids of vector-quantized values (levels "vq"; module docstring).
+    codebook: Codebook | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -227,6 +318,10 @@ class QuantSpec:
             raise CacheError(
                 f"meta_bits={self.meta_bits} is not supported; use one of {META_BITS}"
             )
+        if self.levels == "vq" and not self.full_precision:
+            self._check_vq()
+        elif self.codebook is not None:
+            raise CacheError("a codebook is for levels='vq'; drop it or set levels='vq'")
         if self.meta_bits == 8 and self.levels == "normal" and not self.full_precision:
             raise CacheError(
                 "meta_bits=8 stores a zero point on the uniform grid, which normal levels do "
@@ -250,6 +345,28 @@ class QuantSpec:
                 f"group on a byte boundary (group_size*bits must be a multiple of 8); "
                 f"use one of {ok}"
             )
+
+    def _check_vq(self) -> None:
+        if self.axis != "token" or self.bits not in VQ_BITS:
+            raise CacheError(
+                f"levels='vq' codes sub-vectors of one token's channels (values, "
+                f"axis='token') at bits {VQ_BITS}, got axis={self.axis!r}, bits={self.bits}; "
+                "use levels='uniform' here"
+            )
+        d = vq_dim(self.bits)
+        if self.group_size % d:
+            raise CacheError(f"levels='vq' at {self.bits} bits codes sub-vectors of {d} "
+                             f"channels; group_size={self.group_size} is not a multiple "
+                             f"of {d}")
+        if self.codebook is None:
+            raise CacheError("levels='vq' needs its codebook (calibrated centroids); "
+                             "compile the policy with calibration text to fit one")
+        if self.codebook.dim != d:
+            raise CacheError(f"the codebook's centroids have {self.codebook.dim} channels, "
+                             f"levels='vq' at {self.bits} bits needs {d}")
+        if self.fit != "minmax":
+            raise CacheError("fit='mse' fits a uniform grid; use fit='minmax' with "
+                             "levels='vq'")
 
     def _check_widths(self) -> None:
         if self.axis != "channel" or self.levels != "uniform" or self.full_precision:
@@ -282,6 +399,16 @@ class QuantSpec:
     def uniform(self) -> bool:
         """Evenly spaced levels: a code's value is the code itself (no table lookup)."""
         return self.levels == "uniform" or self.full_precision
+
+    @property
+    def vq(self) -> bool:
+        """Vector-quantized (levels "vq", quantized): codes index :attr:`codebook`."""
+        return self.levels == "vq" and not self.full_precision
+
+    @property
+    def vq_dim(self) -> int:
+        """Channels per sub-vector of a vector-quantized spec (:func:`vq_dim`)."""
+        return vq_dim(self.bits)
 
     @property
     def meta8(self) -> bool:

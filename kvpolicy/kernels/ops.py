@@ -104,10 +104,11 @@ def quantize_packed(
     """:func:`quantize` with a ``QuantSpec``, as a :class:`Packed` (the backends' contract,
     ``kernels.contract.Quantize``, through the op). The op's schema has no per-channel
     widths: a spec with ``widths`` is refused rather than packed at one width."""
-    if spec.widths is not None:
+    if spec.widths is not None or spec.codebook is not None:
+        what = "per-channel widths" if spec.widths is not None else "a codebook"
         raise CacheError(
-            "kvpolicy::quantize takes one width per tensor and this spec has per-channel "
-            "widths; pack it with the backend's quantize "
+            f"kvpolicy::quantize takes no tensor-specific tables and this spec has {what}; "
+            "pack it with the backend's quantize "
             "(kvpolicy.kernels.backend.select(backend, x.device).quantize(x, spec, dtype))"
         )
     return Packed(*quantize(x, spec.bits, spec.group_size, spec.axis, dtype, backend,

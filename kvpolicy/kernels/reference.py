@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import CacheError
+from . import vq_codes
 from .contract import Backend, compose_decode, rope_rotate
 from .layout import (
     FIT_STEPS,
@@ -343,6 +344,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
     if spec.full_precision:
         empty = x.new_empty(0, dtype=dtype)
         return Packed(x.to(dtype), empty, empty)
+    if spec.vq:
+        return Packed(*vq_codes.vq_encode(x, spec, dtype))
     groups = _grouped(x, spec).float()  # [..., n_groups_a, n_groups_b, G]
     codes, scale, zero = encode_groups(groups, spec, dtype)
     b, h, t, d = x.shape
@@ -371,6 +374,8 @@ def dequantize(p: Packed, spec: QuantSpec, dtype: torch.dtype = torch.float32) -
     """
     if spec.full_precision:
         return p.codes.to(dtype)
+    if spec.vq:
+        return vq_codes.vq_decode(p, spec, dtype)
     codes, scale, zero = p
     if spec.axis == "channel":
         if codes.dim() != 5:

@@ -33,9 +33,17 @@ from typing import Any
 import torch
 
 from ..errors import CacheError
-from . import cpu_ext, reference
+from . import cpu_ext, reference, vq_codes
 from .contract import Backend, compose_decode
-from .cpu_call import bh_slabs, checked_positions, compact_rope, is_meta8, scale_table_f32
+from .cpu_call import (
+    bh_slabs,
+    checked_blocks,
+    checked_positions,
+    compact_rope,
+    is_meta8,
+    scale_table_f32,
+    value_codebook,
+)
 from .layout import Packed, QuantSpec, RotarySpec, byte_aligned
 
 __all__ = [
@@ -161,6 +169,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
     if spec.full_precision:
         empty = x.new_empty(0, dtype=dtype)
         return Packed(x.to(dtype), empty, empty)
+    if spec.vq:  # a nearest-centroid search: the reference's matmul and argmin
+        return Packed(*vq_codes.vq_encode(x, spec, dtype))
     b, h, t, d = x.shape
     g = spec.group_size
     if spec.axis == "channel":
@@ -194,6 +204,8 @@ def dequantize(p: Packed, spec: QuantSpec, dtype: torch.dtype = torch.float32) -
     """Same contract as :func:`reference.dequantize`, with word-wise unpacking."""
     if spec.full_precision:
         return p.codes.to(dtype)
+    if spec.vq:  # one gather of d floats per byte: the reference's
+        return vq_codes.vq_decode(p, spec, dtype)
     codes, scale, zero = p
     if spec.axis == "channel":
         b, h, n, _, d = codes.shape
@@ -317,9 +329,13 @@ def fused_attention(
                          f"match the metadata widths of {k_spec} / {v_spec}")
     half = 0 if rope is None else rope.rotary_dim // 2
     store = _storage_dtype(k, v, fk, fv)
+    # VQ values: no level table, the d-channel codebook instead (vvq, asked for only then, so
+    # every other library keeps its 12-number configuration)
+    vq = (v_spec.vq_dim,) if v_spec.vq else ()
     lib = cpu_ext.load(k_spec.bits, v_spec.bits, k_spec.group_size, v_spec.group_size,
                         q.shape[-1], dv, half, _SDT[store], int(not k_spec.uniform),
-                        int(not v_spec.uniform), int(k_spec.meta8), int(v_spec.meta8))
+                        int(not v_spec.uniform and not vq), int(k_spec.meta8),
+                        int(v_spec.meta8), *vq)
     if lib is None:
         return None
     return _cpp_attention(lib, q, k, v, k_spec, v_spec, fk, fv, scale, mask, fp_mask, rope,
@@ -448,17 +464,6 @@ def _storage_dtype(
     return dt if dt in _SDT and all(t.dtype == dt for t in ts) else torch.float32
 
 
-def _checked_blocks(table: torch.Tensor, b: int, pages: int, check: bool) -> torch.Tensor:
-    """``table`` as contiguous int64 ``[b, nb]``, its ids checked against the ``pages``
-    the kernel reads (unless ``check`` is False: the caller guarantees them)."""
-    table = table.to(torch.int64).contiguous()
-    if table.dim() != 2 or table.shape[0] != b:
-        raise CacheError(f"block_table must be [B={b}, blocks], got {tuple(table.shape)}")
-    if check and table.numel() and (int(table.min()) < 0 or int(table.max()) >= pages):
-        raise CacheError(f"block_table names a block outside the {pages} pages given")
-    return table
-
-
 def _cpp_attention(
     lib: Any,
     q: torch.Tensor,
@@ -493,10 +498,11 @@ def _cpp_attention(
             f"Hkv, Tk] {'pages' if block_table is not None else 'segment'}"
         )
     keep: list[torch.Tensor] = []  # everything whose pointer the kernel reads stays alive
+    book = value_codebook(v_spec, hkv)  # VQ values' centroids; None: coded per element
     bsz, chunk = tk, max(k_spec.group_size, _CHUNK_TOKENS // k_spec.group_size
                          * k_spec.group_size)
     if block_table is not None:
-        btab = _checked_blocks(block_table, b, rows, check_positions)
+        btab = checked_blocks(block_table, b, rows, check_positions)
         keep.append(btab)
         tk, chunk = btab.shape[1] * bsz, bsz  # a work item never spans two pages
     qs = (q.float() * scale).contiguous()
@@ -524,7 +530,7 @@ def _cpp_attention(
         kz=kz.data_ptr(), kz_sb=kz_sb, kz_sh=kz_sh,
         vc=vc.data_ptr(), vc_sb=vc_sb, vc_sh=vc_sh,
         vs=vs.data_ptr(), vs_sb=vs_sb, vs_sh=vs_sh,
-        vz=vz.data_ptr(), vz_sb=vz_sb, vz_sh=vz_sh,
+        vz=None if book is not None else vz.data_ptr(), vz_sb=vz_sb, vz_sh=vz_sh,  # VQ: none
         out=out.data_ptr(), lse=lse.data_ptr(), sdt=_SDT[store],
         softcap=0.0 if softcap is None else float(softcap),  # 0: no cap
         # a null table is what tells the kernel "no 8-bit metadata" (kept alive by its cache)
@@ -571,7 +577,10 @@ def _cpp_attention(
         table = reference.width_table(k_spec, q.device)
         keep.append(table)
         p.kwid = table.data_ptr()
-    for spec, field in ((k_spec, "klut"), (v_spec, "vlut")):
+    if book is not None:  # a null codebook is what tells the kernel "no VQ values"
+        keep.append(book)
+        p.vcb = book.data_ptr()
+    for spec, field in ((k_spec, "klut"),) + (((v_spec, "vlut"),) if book is None else ()):
         if not spec.uniform:  # a null table is what tells the kernel "uniform"
             table = torch.tensor(spec.table, dtype=torch.float32)
             keep.append(table)

@@ -10,8 +10,9 @@ RoPE, rotated at each key's own position; a dequantized cache is never materiali
 The policy is baked into the kernel as ``tl.constexpr``: bits, group size, scale axis and
 levels of each tensor (both layouts for both K and V; non-uniform levels read a small fp32
 table of code values; 8-bit metadata, a uint8 scale index and an int8 zero point, reads
-its scale from the fp32 table of 256 scales), RoPE style and rotary_dim, head dims and
-GQA ratio. Pre-RoPE keys are read as two channel sets that a rotation pairs (``i`` and
+its scale from the fp32 table of 256 scales; vector-quantized values gather each
+sub-vector's centroid from the per-head fp32 codebook), RoPE style and rotary_dim, head
+dims and GQA ratio. Pre-RoPE keys are read as two channel sets that a rotation pairs (``i`` and
 ``i + r/2`` for rotate_half, ``2i`` and ``2i+1`` for interleaved) plus the pass-through
 channels ``>= r``; the score is the sum of three dot products, so every code is read once
 and no register shuffle is needed.
@@ -56,6 +57,7 @@ from ._triton_util import (
     packed_dims,
     plan_splits,
     rope_arguments,
+    vq_codebook,
 )
 from .layout import Packed, QuantSpec, RotarySpec
 from .triton_decode import decode_attention, merge_splits, warm_up_decode
@@ -76,7 +78,7 @@ _merge_splits_kernel = merge_splits_kernel
 @triton.autotune(
     configs=ATTENTION_CONFIGS,
     key=["rows_bucket", "split_bucket", "K_BITS", "K_CHANNEL", "V_BITS", "V_CHANNEL", "ROPE", "DK",
-         "SOFTCAP", "K_LUT", "V_LUT", "K_M8", "V_M8"],
+         "SOFTCAP", "K_LUT", "V_LUT", "K_M8", "V_M8", "V_VQ"],
     prune_configs_by={"early_config_prune": keep_attention_config},
 )
 @triton.jit
@@ -131,6 +133,8 @@ def _packed_attention_kernel(
     klut_ptr=None, vlut_ptr=None,  # fp32 level tables of the keys / values (K_LUT / V_LUT)
     K_M8: tl.constexpr = False, V_M8: tl.constexpr = False,  # 8-bit metadata of keys / values
     stab_ptr=None,  # fp32 scales of 8-bit scale indices (K_M8 or V_M8)
+    V_VQ: tl.constexpr = 0,  # vector-quantized values: channels per sub-vector; 0 none
+    vcb_ptr=None,  # their fp32 centroids [Hkv, 256, V_VQ] (_triton_util.vq_codebook)
 ):
     tl.static_assert(ROT_DIM % 2 == 0 and ROT_DIM <= DK, "rotary_dim must be even and <= DK")
     tl.static_assert((ROPE == 0) == (ROT_DIM == 0), "ROT_DIM is set exactly when ROPE is")
@@ -160,6 +164,10 @@ def _packed_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     start = tl.program_id(2) * split_len
     end = tl.minimum(start + split_len, kv_len)
+    if V_VQ:
+        vcb_h = vcb_ptr + kvh * (256 * V_VQ)  # this head's centroids
+    else:
+        vcb_h = vcb_ptr
     m_i, l_i, acc = attend_keys(
         m_i, l_i, acc, q_ptr, q_a, q_b, ch_a, ch_b, r_ok, q_p, ch_p, p_ok, ch_v, v_ok,
         kc_ptr + b * skc_b + kvh * skc_h, ks_ptr + b * sks_b + kvh * sks_h,
@@ -171,6 +179,7 @@ def _packed_attention_kernel(
         K_BITS, K_GROUP, K_CHANNEL, K_LUT, K_FAST, V_BITS, V_GROUP, V_CHANNEL, V_LUT, V_FAST, DV,
         ROPE, HAS_PASS, HAS_MASK, SOFTCAP, DOT_F32, MATH_F16, BLOCK_M, BLOCK_N, K_M8, V_M8,
         None, False,  # per-channel key widths: the decode kernel's, not this one's
+        vcb_h, V_VQ,
     )
     row_out = ((b * (n_kv_heads * GQA) + hq) * q_len + tq) * n_splits + pid_s  # [BLOCK_M]
     store_split(out_ptr, lse_ptr, row_out, row_ok, ch_v, v_ok, m_i, l_i, acc, DV)
@@ -201,7 +210,7 @@ def packed_attention_partial(
             cores with the dequantized tiles cast to q's dtype (fp32 accumulation).
         k, v: packed ``[B, Hkv, Tk, D]`` segments in the layouts of ``k_spec``/``v_spec``
             (any of bits 1, 2, 3, 4, 8, 16, either axis, uniform or normal levels, 16- or
-            8-bit metadata);
+            8-bit metadata, vector-quantized values; not per-channel key widths);
             ``Hq % Hkv == 0``.
         k_spec, v_spec: how each segment was quantized.
         scale: multiplies ``q·k``.
@@ -227,6 +236,9 @@ def packed_attention_partial(
     when ``S > 1``, ``(B * Hq * Tq,)`` for the merge of the splits.
     """
     b, hq, tq, dq = _query_dims(q)
+    if k_spec.widths is not None:  # read by the decode kernel only (K_WID)
+        raise CacheError("packed keys with per-channel widths are attended by the torch "
+                         "backend or the decode kernel; this kernel reads one width")
     kb, hkv, tk, dk = packed_dims(k, k_spec, "keys")
     vb, vh, vt, dv = packed_dims(v, v_spec, "values")
     if (kb, hkv, tk) != (vb, vh, vt) or kb != b:
@@ -280,6 +292,7 @@ def packed_attention_partial(
     lse = torch.empty((b, hq, tq, splits), device=device, dtype=torch.float32)
     klut, vlut = level_lut(k_spec, device), level_lut(v_spec, device)
     stab = meta_table(k_spec, v_spec, device=device)
+    vcb = vq_codebook(v_spec, hkv, device)
     _packed_attention_kernel[(b * hkv, m_blocks, splits)](
         q, k.codes, ks, kz, v.codes, vs, vz, pos, cos, sin, mask_t, out, lse,
         hkv, n_rows, tq, tk, split_len, splits,
@@ -302,6 +315,7 @@ def packed_attention_partial(
         **channel_blocks(rot_dim, dk, dv),
         K_LUT=klut is not None, V_LUT=vlut is not None, klut_ptr=klut, vlut_ptr=vlut,
         K_M8=k_spec.meta8, V_M8=v_spec.meta8, stab_ptr=stab,
+        **({} if vcb is None else {"V_VQ": v_spec.vq_dim, "vcb_ptr": vcb}),
     )
     if splits == 1:
         return out.squeeze(3), lse.squeeze(3)

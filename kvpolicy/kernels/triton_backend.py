@@ -14,7 +14,9 @@ list (tests/test_structure.py).
 packed body, the full-precision segment (sinks and residual window, rotated at its own
 positions) and their merge in one kernel launch plus at most one small merge launch.
 Pieces without a Triton kernel of their own use the torch backend's functions (on the
-tensors' device): ``dequantize``, ``apply_rope``, ``merge_partials``
+tensors' device): ``quantize`` of a spec with per-channel widths or a codebook and
+``packed_attention_partial`` of keys with per-channel widths (:func:`_unless_read`),
+``dequantize``, ``apply_rope``, ``merge_partials``
 (``merge_partials_lse``), and ``attention_partial`` for a full-precision segment attended
 alone (``triton_attention.attention_partial``, the packed kernel over 16-bit specs,
 exists; the runtime's decode step never calls this field).
@@ -22,6 +24,7 @@ exists; the runtime's decode step never calls this field).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -44,12 +47,12 @@ def load() -> Backend:
 
     return Backend(
         name="triton",
-        quantize=_unless_widths(triton_quant.quantize, torch_backend.quantize, 1),
+        quantize=_unless_read(triton_quant.quantize, torch_backend.quantize, ("spec",)),
         dequantize=torch_backend.dequantize,
         attention_partial=torch_backend.attention_partial,
-        packed_attention_partial=_unless_widths(
+        packed_attention_partial=_unless_read(
             triton_attention.packed_attention_partial,
-            torch_backend.packed_attention_partial, 3),
+            torch_backend.packed_attention_partial, ("k_spec", "v_spec"), reads=("codebook",)),
         apply_rope=torch_backend.apply_rope,
         merge_partials=torch_backend.merge_partials_lse,
         decode_attention=triton_attention.decode_attention,
@@ -57,16 +60,31 @@ def load() -> Backend:
     )
 
 
-def _unless_widths(kernel: Any, fallback: Any, spec_at: int) -> Any:
-    """``kernel``, except for a key spec with per-channel widths (the positional argument
-    ``spec_at``): only the decode kernel reads them (``K_WID``), so packing and the
-    packed-segment attention of those keys take the torch backend's path (a gather and a
-    scatter; dequantize, rotate, matmul) on the same device."""
+# The tables a QuantSpec may carry beyond its constexpr fields (layout.QuantSpec).
+_TABLES = ("widths", "codebook")
+
+
+def _unless_read(kernel: Any, fallback: Any, specs: tuple[str, ...],
+                 reads: tuple[str, ...] = ()) -> Any:
+    """``kernel``, except when one of its spec arguments (named ``specs``, passed by
+    position or keyword) carries a table that ``kernel`` does not read (``reads``, among
+    :data:`_TABLES`): then ``fallback``, the torch backend's function, on the same device.
+
+    Per-channel key widths are read by the decode kernel only (``K_WID``): packing them
+    and the packed-segment attention of such keys take the torch path (a gather and a
+    scatter; dequantize, rotate, matmul). A codebook (vector-quantized values) is read by
+    both attention kernels (``V_VQ``) but not by the Triton quantize: packing is the shared
+    reference encoder (a matmul and an argmin), whose codes every backend must reproduce
+    bit for bit."""
+    names = list(inspect.signature(kernel).parameters)
+    at = {name: names.index(name) for name in specs}
+    unread = tuple(t for t in _TABLES if t not in reads)
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        spec = args[spec_at] if len(args) > spec_at else None
-        if spec is not None and spec.widths is not None:
-            return fallback(*args, **kwargs)
+        for name, i in at.items():
+            spec = args[i] if len(args) > i else kwargs.get(name)
+            if spec is not None and any(getattr(spec, t) is not None for t in unread):
+                return fallback(*args, **kwargs)
         return kernel(*args, **kwargs)
 
     call.__doc__, call.__name__ = kernel.__doc__, kernel.__name__

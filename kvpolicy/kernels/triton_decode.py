@@ -29,7 +29,10 @@ and width, :func:`kvpolicy.kernels._triton_util.level_lut`) under the constexpr 
 metadata (``QuantSpec.meta_bits == 8``: a uint8 scale index and an int8 zero point) read
 their scales from the 256-entry fp32 scale table (``stab_ptr``,
 :func:`kvpolicy.kernels._triton_util.meta_table`) under ``K_M8``/``V_M8``, False by
-default: 16-bit metadata compiles as before.
+default: 16-bit metadata compiles as before. Vector-quantized values
+(``QuantSpec.levels == "vq"``) are gathered from their fp32 codebook (``vcb_ptr``,
+:func:`kvpolicy.kernels._triton_util.vq_codebook`, per kv head) under ``V_VQ`` (the
+sub-vector length; 0 by default), one byte per sub-vector, no zero point.
 
 Queries may be fp32 (IEEE fp32 dots), fp16 or bf16 (dots in that dtype on tensor cores,
 fp32 accumulation and softmax statistics). Dequantization runs in fp16 for fp16 queries
@@ -67,6 +70,7 @@ from ._triton_util import (
     packed_dims,
     plan_splits,
     rope_arguments,
+    vq_codebook,
     width_table,
 )
 from .contract import gather_pages
@@ -96,7 +100,7 @@ _PER_STEP = [
 @triton.autotune(
     configs=ATTENTION_CONFIGS,
     key=["rows_bucket", "split_bucket", "K_BITS", "K_CHANNEL", "V_BITS", "V_CHANNEL", "ROPE", "DK",
-         "SOFTCAP", "HAS_PACKED", "HAS_FP", "K_LUT", "V_LUT", "K_M8", "V_M8", "K_WID"],
+         "SOFTCAP", "HAS_PACKED", "HAS_FP", "K_LUT", "V_LUT", "K_M8", "V_M8", "K_WID", "V_VQ"],
     prune_configs_by={"early_config_prune": keep_attention_config},
 )
 @triton.jit(do_not_specialize=_PER_STEP)
@@ -150,6 +154,8 @@ def _decode_kernel(
     stab_ptr=None,  # fp32 scales of 8-bit scale indices (K_M8 or V_M8)
     K_WID: tl.constexpr = False,  # per-channel key widths (layout.QuantSpec.widths)
     kwid_ptr=None,  # their table [Hkv, D, 2] int32 (_triton_util.width_table)
+    V_VQ: tl.constexpr = 0,  # vector-quantized values: channels per sub-vector; 0 none
+    vcb_ptr=None,  # their fp32 centroids [Hkv, 256, V_VQ] (_triton_util.vq_codebook)
 ):
     tl.static_assert(ROT_DIM % 2 == 0 and ROT_DIM <= DK, "rotary_dim must be even and <= DK")
     tl.static_assert((ROPE == 0) == (ROT_DIM == 0), "ROT_DIM is set exactly when ROPE is")
@@ -184,6 +190,10 @@ def _decode_kernel(
         kwid_h = kwid_ptr + kvh * (2 * DK)  # this head's [DK, 2] widths and first bits
     else:
         kwid_h = kwid_ptr
+    if V_VQ:
+        vcb_h = vcb_ptr + kvh * (256 * V_VQ)  # this head's centroids
+    else:
+        vcb_h = vcb_ptr
     if sid < n_packed_splits:
         if HAS_PACKED:
             start = sid * split_len
@@ -199,7 +209,7 @@ def _decode_kernel(
                 K_BITS, K_GROUP, K_CHANNEL, K_LUT, K_FAST,
                 V_BITS, V_GROUP, V_CHANNEL, V_LUT, V_FAST, DV,
                 ROPE, HAS_PASS, HAS_MASK, SOFTCAP, DOT_F32, MATH_F16, BLOCK_M, BLOCK_N,
-                K_M8, V_M8, kwid_h, K_WID,
+                K_M8, V_M8, kwid_h, K_WID, vcb_h, V_VQ,
             )
     else:
         if HAS_FP:
@@ -281,8 +291,8 @@ def decode_attention(
     Args:
         q: ``[B, Hq, Tq, D]`` fp32, fp16 or bf16, already rotated by the model.
         k, v: the packed segment ``[B, Hkv, Tk, D]`` in the layouts of ``k_spec``/``v_spec``
-            (any bits, either axis, uniform or normal levels, 16- or 8-bit metadata), or
-            both None.
+            (any bits, either axis, uniform or normal levels, 16- or 8-bit metadata,
+            per-channel key widths, vector-quantized values), or both None.
         fk, fv: the full-precision segment ``[B, Hkv, Tf, D]`` in any float dtype (the
             model's), or both None. At least one segment must be given.
         scale, softcap: multiply ``q·k``; cap each score in fp32 before the masks.
@@ -395,6 +405,7 @@ def decode_attention(
     klut, vlut = level_lut(k_spec, device), level_lut(v_spec, device)
     stab = meta_table(k_spec, v_spec, device=device)
     kwid = width_table(k_spec, device) if has_packed else None
+    vcb = vq_codebook(v_spec, hkv, device)
     if kwid is not None and k.codes.stride(3) != k.codes.shape[4] * k.codes.stride(4):
         raise CacheError("packed keys with per-channel widths must keep each group's bytes "
                          "contiguous (one stream); pass codes as the cache stores them")
@@ -420,6 +431,7 @@ def decode_attention(
         K_LUT=klut is not None, V_LUT=vlut is not None, klut_ptr=klut, vlut_ptr=vlut,
         K_M8=k_spec.meta8, V_M8=v_spec.meta8, stab_ptr=stab,
         **({} if kwid is None else {"K_WID": True, "kwid_ptr": kwid}),
+        **({} if vcb is None else {"V_VQ": v_spec.vq_dim, "vcb_ptr": vcb}),
     )
     if splits == 1:
         return out.squeeze(3), lse.squeeze(3)
@@ -442,6 +454,10 @@ def _zeros_packed(spec: QuantSpec, h: int, t: int, d: int, dtype: torch.dtype,
                              "groups of channels); use a group_size that divides the head dim")
         codes = torch.zeros(1, h, t, d * spec.bits // 8, device=device, dtype=torch.uint8)
         scale_shape = (1, h, t, d // g)
+    if spec.vq:  # one scale per group, no zero point
+        scale = torch.zeros(scale_shape, device=device,
+                            dtype=torch.uint8 if spec.meta8 else dtype)
+        return Packed(codes, scale, scale.new_empty(1, h, t, 0))
     if spec.meta8:  # a uint8 scale index and an int8 zero point
         scale = torch.zeros(scale_shape, device=device, dtype=torch.uint8)
         return Packed(codes, scale, torch.zeros(scale_shape, device=device, dtype=torch.int8))

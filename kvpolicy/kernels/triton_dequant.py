@@ -21,6 +21,9 @@ scale is a uint8 index into the 256 fp32 scales at ``stab_ptr``
 :func:`kvpolicy.kernels._triton_util.meta_table`) and the stored zero an int8 zero point
 ``p``: ``scale = stab_ptr[index]``, ``zero = -p * scale / 4`` in fp32, as
 :func:`kvpolicy.kernels.reference.meta_values` (:func:`_meta_values`).
+Vector-quantized values (``QuantSpec.levels == "vq"``) are read by their own gather
+(:func:`dequant_vq_rows`, under ``attend_keys``' constexpr ``V_VQ``): one byte per
+sub-vector, its centroid's channels from the fp32 codebook, times the group's scale.
 
 Attending: :func:`query_sets` loads a program's query rows as the channel sets a rotation
 pairs, :func:`attend_keys` runs the online softmax of those rows over one range of a
@@ -35,8 +38,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "dequant_tile", "dequant_token_rows", "load_keys", "qk", "query_sets", "attend_keys",
-    "store_split", "merge_splits_kernel",
+    "dequant_tile", "dequant_token_rows", "dequant_vq_rows", "load_keys", "qk", "query_sets",
+    "attend_keys", "store_split", "merge_splits_kernel",
 ]
 
 
@@ -259,6 +262,37 @@ def dequant_token_rows(
 
 
 @triton.jit
+def dequant_vq_rows(
+    c_ptr,  # vector-quantized codes of this (batch, head): [T, D // VQ] uint8
+    s_ptr,  # scale of this (batch, head): [T, D // G], or uint8 scale indices (M8)
+    cb_ptr,  # fp32 centroids of this kv head [256, VQ] (layout.Codebook.tensor)
+    sc_0, sc_1,  # codes strides: token, byte
+    ss_0, ss_1,  # scale strides: token, channel group
+    tok,  # [N] token indices
+    ch,  # [C] channel indices
+    ok,  # [N, C] which elements exist
+    stab_ptr,  # fp32 scales of 8-bit scale indices (M8); None otherwise
+    VQ: tl.constexpr,  # channels per sub-vector (layout.vq_dim: 4 at 2 bits, 8 at 1)
+    GROUP: tl.constexpr,  # channels per scale, a multiple of VQ
+    M8: tl.constexpr,  # the scale is a uint8 index into stab_ptr
+):
+    """Dequantized fp32 ``[N, C]`` tile of vector-quantized values: channel ``c`` is
+    entry ``c % VQ`` of the centroid its sub-vector's byte ``c // VQ`` names, times its
+    group's scale, one fp32 product as :func:`kvpolicy.kernels.vq_codes.vq_decode`. A
+    VQ group has no zero point: nothing is loaded for it."""
+    t2 = tok[:, None]
+    c2 = ch[None, :]
+    code = tl.load(c_ptr + t2 * sc_0 + (c2 // VQ) * sc_1, mask=ok, other=0).to(tl.int32)
+    cent = tl.load(cb_ptr + code * VQ + c2 % VQ, mask=ok, other=0.0)
+    s_off = t2 * ss_0 + (c2 // GROUP) * ss_1
+    if M8:  # masked elements read index 0, times a centroid of 0
+        scale = tl.load(stab_ptr + tl.load(s_ptr + s_off, mask=ok, other=0).to(tl.int32))
+    else:
+        scale = tl.load(s_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
+    return cent * scale
+
+
+@triton.jit
 def load_keys(
     c_ptr, s_ptr, z_ptr,  # key codes, scale, zero of this (batch, head)
     sc_0, sc_1, sc_2, ss_0, ss_1,  # their strides (see dequant_tile)
@@ -378,6 +412,8 @@ def attend_keys(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     K_M8: tl.constexpr, V_M8: tl.constexpr,  # 8-bit metadata of the keys / values
     kwid, K_WID: tl.constexpr,  # per-channel key widths of this head (see dequant_tile)
+    vcb=None,  # fp32 centroids of this kv head's values (V_VQ); None otherwise
+    V_VQ: tl.constexpr = 0,  # vector-quantized values: channels per sub-vector; 0 none
 ):
     """Online softmax of a program's query rows over keys ``[start, end)`` of one segment.
 
@@ -432,7 +468,10 @@ def attend_keys(
         alpha = tl.exp(m_i - m_use)
         p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if V_FAST:
+        if V_VQ:
+            v = dequant_vq_rows(vc, vs, vcb, svc_0, svc_1, svs_0, svs_1, tok, ch_v,
+                                tok_ok[:, None] & v_ok[None, :], stab, V_VQ, V_GROUP, V_M8)
+        elif V_FAST:
             v = dequant_token_rows(vc, vs, vz, svc_0, svc_1, svs_0, svs_1, tok, tok_ok, vlut,
                                    stab, V_BITS, V_GROUP, DV, MATH_F16, V_LUT, V_M8)
         else:

@@ -304,6 +304,9 @@ def quantize(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None)
     if spec.full_precision:
         empty = x.new_empty(0, dtype=dtype)
         return Packed(x.to(dtype), empty, empty)
+    if spec.vq:  # the backend record routes vq to the shared encoder (triton_backend)
+        raise CacheError("triton_quant.quantize has no vq kernel; pack vq values with "
+                         "kvpolicy.kernels.vq_codes.vq_encode (the backend's quantize does)")
 
     b, h, t, d = x.shape
     g, bits = spec.group_size, spec.bits
