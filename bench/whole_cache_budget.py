@@ -18,7 +18,7 @@ yet). A budget the full-precision tokens alone exceed is a row that says so. Bud
 one calibration per residual.
 
     .venv/bin/python bench/whole_cache_budget.py [--budgets 3.0 2.5 2.0 1.5]
-        [--retrieval 1024]
+        [--retrieval 1024] [--residuals 128 32] [--no-fixed] [--levels uniform]
 """
 
 from __future__ import annotations
@@ -44,6 +44,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budgets", type=float, nargs="+", default=[3.0, 2.5, 2.0, 1.5])
     ap.add_argument("--retrieval", type=int, default=1024)
+    ap.add_argument("--residuals", type=int, nargs="+", default=[128, 32],
+                    help="residual windows of the whole-cache rows (default 128 32)")
+    ap.add_argument("--no-fixed", action="store_true",
+                    help="skip the bits=2 and body-only stored_bits=2.5 rows")
+    ap.add_argument("--levels", default=None,
+                    help="levels of the whole-cache rows (e.g. uniform: no vq values)")
     args = ap.parse_args()
     torch.manual_seed(0)
     model, tok = zoo.load("smollm2-135m")
@@ -61,15 +67,17 @@ def main() -> None:
     print("| policy | whole-cache bits | x fp16 | body stored bits | perplexity x fp | KL | "
           "top-1 = fp | retrieval x fp | derive s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    rows: list[tuple[str, dict]] = [
+    rows: list[tuple[str, dict]] = [] if args.no_fixed else [
         ("bits=2", {"defaults": {"bits": 2}}),
         ("stored_bits=2.5, body only", {"defaults": {"stored_bits": 2.5}}),
     ]
-    for residual in (128, 32):
+    levels = {} if args.levels is None else {"levels": args.levels}
+    for residual in args.residuals:
         for b in args.budgets:
-            rows.append((f"stored_bits={b:g} whole, residual {residual}",
+            rows.append((f"stored_bits={b:g} whole, residual {residual}"
+                         + (f", levels {args.levels}" if levels else ""),
                          {"defaults": {"stored_bits": b, "budget_context": AT,
-                                       "residual": residual}}))
+                                       "residual": residual, **levels}}))
     calibrations: dict[int, object] = {}
     for name, spec in rows:
         residual = spec["defaults"].get("residual", 128)

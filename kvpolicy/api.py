@@ -18,6 +18,7 @@ from torch import nn
 
 from .calibrate.apply import budget_policy, channel_policy, channel_text, uniform_widths
 from .calibrate.channels import spreads
+from .calibrate.vq import codebook_policy, pending_vq, vq_text
 from .compiler import compile_blocks
 from .errors import KVPolicyError, PolicyError
 from .kernels.backend import check_name as check_backend
@@ -112,6 +113,9 @@ def derive_policy(
         spec = spec.model_copy(update={"calibration": cal})
     if text is not None:
         result = channel_policy(model, result, text, written)
+    if pending_vq(result):  # written levels: vq (a budget's choice brings its codebook)
+        result = codebook_policy(
+            model, result, text or vq_text(model, calibration, probe_kwargs is None))
     state_of(model).spec = spec
     return result
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, TypeAdapter
 
-from kvpolicy.policies import field_docs, load_spec, schema, spec
+from kvpolicy.policies import calibration, field_docs, load_spec, schema, spec
 
 ROOT = Path(__file__).resolve().parents[1]
 REGENERATE = ".venv/bin/python docs/gen_reference.py"
@@ -34,7 +34,7 @@ def _generator():
 gen = _generator()
 
 MODELS = sorted(
-    (obj for module in (schema, spec) for obj in vars(module).values()
+    (obj for module in (calibration, schema, spec) for obj in vars(module).values()
      if inspect.isclass(obj) and issubclass(obj, BaseModel)
      and obj.__module__ == module.__name__),
     key=lambda m: m.__name__,

@@ -195,7 +195,8 @@ def allocate_stored(
     if len(per_tensor) != len(errors):
         raise ValueError(f"{len(per_tensor)} scale widths for {len(errors)} tensors")
     exact = [{o: sizes[i] * exact_stored_bits(o[0], o[1],
-                                              o[2] if len(o) > 2 else per_tensor[i])
+                                              o[2] if len(o) > 2 else per_tensor[i],
+                                              o[3] if len(o) > 3 else 2)
               for o in errs} for i, errs in enumerate(errors)]
     denom = math.lcm(*(f.denominator for row in exact for f in row.values()))
     units = [{o: int(f * denom) for o, f in row.items()} for row in exact]
@@ -225,12 +226,14 @@ def allocate_stored(
     return out
 
 
-def exact_stored_bits(bits: int, group_size: int, scale_bits: int) -> Fraction:
+def exact_stored_bits(bits: int, group_size: int, scale_bits: int, fields: int = 2
+                      ) -> Fraction:
     """:func:`stored_bits` as an exact fraction (a float of 32/24 would make the common
-    denominator of the sizes astronomically large)."""
+    denominator of the sizes astronomically large); ``fields``: metadata numbers per
+    group (2, a scale and a zero; 1, a vq scale)."""
     if bits >= FULL_PRECISION:
         return Fraction(bits)
-    return bits + Fraction(2 * scale_bits, group_size)
+    return bits + Fraction(fields * scale_bits, group_size)
 
 
 def allocate_joint(

@@ -32,10 +32,11 @@ import torch
 from torch import nn
 
 from ..errors import AnalysisError, KVPolicyError, PolicyError
+from ..kernels.layout import vq_dim
 from ..policies import Calibration, ModelPolicy, PolicySpec, TensorPolicy, stored_bits
 from ..policies.footprint import held_tokens
 from . import budget as measure
-from . import channels
+from . import channels, vq
 from .allocate import allocate, allocate_joint, allocate_stored, exact_stored_bits
 from .capture import LayerActivations, reduce_activations
 
@@ -209,8 +210,22 @@ def _variant_reason(t: TensorPolicy, data: dict[str, Any], w: int, plain: float 
     return text
 
 
-# (width, group size), or (width, group size, 8) for 8-bit scales and zeros.
+# (width, group size), (width, group size, 8) for 8-bit scales and zeros, or
+# (width, head_dim, 8, 1) for vq values (one 8-bit scale per group, no zero; calibrate.vq).
 Option = tuple[int, ...]
+
+
+def _is_vq(o: Option) -> bool:
+    return len(o) > 3
+
+
+def _vq_options(calibration: Calibration, t: TensorPolicy, pages: int | None
+                ) -> dict[Option, float]:
+    """``{(width, head_dim, 8, 1): error}`` of ``t`` vector-quantized where the calibration
+    priced it (``calibrate.vq.priced``); none over vLLM pages, which do not serve vq."""
+    if not vq.priced(t) or pages is not None or t.bits_from == "rule":
+        return {}
+    return {(w, t.head_dim, 8, 1): e for w, (e, _) in calibration.vq_errors(t.layer).items()}
 
 
 def _meta8_options(calibration: Calibration, t: TensorPolicy) -> dict[Option, float]:
@@ -245,6 +260,24 @@ def _meta_text(t: TensorPolicy, o: Option, opts: dict[Option, float]) -> str:
             "allocator prices each by its stored bits)")
 
 
+def _vq_text(t: TensorPolicy, o: Option, opts: dict[Option, float]) -> str:
+    """Why the allocator took vq values: the option's cost against the best scalar option
+    of no more stored bits (what it would have paid instead)."""
+    w = o[0]
+    mine = stored_bits(w, o[1], 8, 1)
+    scalar = [(e, x) for x, e in opts.items() if not _is_vq(x) and x[0] < 16
+              and stored_bits(x[0], x[1], x[2] if len(x) > 2 else 16) <= mine + 0.5]
+    alt = ""
+    if scalar:
+        e, x = min(scalar)
+        alt = (f" against {_fmt(e)} for the best scalar option up to 0.5 bits more "
+               f"({_bits(x[0])}, group {x[1]}, "
+               f"{stored_bits(x[0], x[1], x[2] if len(x) > 2 else 16):.2f} stored bits)")
+    return (f"; levels: auto chose vq (at {_bits(w)}: {_fmt(opts[o])}{alt}; 256 centroids "
+            "per kv head fitted by k-means, on held-out pydoc text for the default text; the "
+            "allocator prices each option by its stored bits and the centroids' bytes)")
+
+
 def _layer_pairs(policy: ModelPolicy) -> list[tuple[TensorPolicy, TensorPolicy]]:
     """Each layer's (key, value) policies (tensors are in layer order, key first)."""
     t = policy.tensors
@@ -262,9 +295,16 @@ def _body_bits(pair: tuple[TensorPolicy, TensorPolicy], opts: tuple[Option, ...]
                meta: list[int], layer: int) -> Fraction:
     """Stored bits of one packed token of the layer at these options (an option's own
     metadata width where it names one, else the tensor's ``meta``)."""
-    return sum((t.elements_per_token * exact_stored_bits(o[0], o[1], o[2] if len(o) > 2
-                                                         else meta[2 * layer + j])
-                for j, (t, o) in enumerate(zip(pair, opts, strict=True))), Fraction(0))
+    return sum((t.elements_per_token * exact_stored_bits(
+        o[0], o[1], o[2] if len(o) > 2 else meta[2 * layer + j], o[3] if _is_vq(o) else 2)
+        for j, (t, o) in enumerate(zip(pair, opts, strict=True))), Fraction(0))
+
+
+def _book_bits(pair: tuple[TensorPolicy, TensorPolicy], opts: tuple[Option, ...]) -> int:
+    """Bits of the vq centroids a layer holds at these options (fp16, whatever the
+    context)."""
+    return sum(16 * t.num_kv_heads * 256 * vq_dim(o[0])
+               for t, o in zip(pair, opts, strict=True) if _is_vq(o))
 
 
 def _whole_cache_sizes(policy: ModelPolicy, meta: list[int], context: int
@@ -284,7 +324,8 @@ def _whole_cache_sizes(policy: ModelPolicy, meta: list[int], context: int
             held = held_tokens(context, key.sinks, key.residual, _chunk(pairs[layer], opts),
                                window)
         fp = (held.sinks + held.residual) * (key.elements_per_token + value.elements_per_token)
-        return math.ceil(held.packed * _body_bits(pairs[layer], opts, meta, layer) + 16 * fp)
+        return math.ceil(held.packed * _body_bits(pairs[layer], opts, meta, layer) + 16 * fp
+                         + _book_bits(pairs[layer], opts))
 
     elements = sum(held_tokens(context, 0, context, 1, w).total
                    * (k.elements_per_token + v.elements_per_token)
@@ -343,6 +384,7 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
                     if t.bits_from != "rule" or o[0] == t.bits}
             opts.update({o: e for o, e in _meta8_options(calibration, t).items()
                          if t.bits_from != "rule" or o[0] == t.bits})
+            opts.update(_vq_options(calibration, t, pages))
             if t.bits_from == "rule" and not opts:  # a pinned width the table lacks
                 opts = {(t.bits, t.group_size): 0.0}
             if not opts:
@@ -384,9 +426,10 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
         w, g = o[:2]
         mb = o[2] if len(o) > 2 else meta[i]
         data = t.model_dump()
-        sb = stored_bits(w, g, mb)
-        what = (f"{_bits(w)}, group {g}: {sb:.2f} stored bits per "
-                f"element ({w} + 2 x {mb}/{g})" if w < 16 else
+        fields = o[3] if _is_vq(o) else 2
+        sb = stored_bits(w, g, mb, fields)
+        what = (f"{_bits(w)}{' vq' if _is_vq(o) else ''}, group {g}: {sb:.2f} stored bits "
+                f"per element ({w} + {fields} x {mb}/{g})" if w < 16 else
                 "16 bits: 16.00 stored bits per element, no scales")
         pinned = t.bits_from == "rule"
         if pinned:
@@ -397,21 +440,27 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
                       f"{calibration.metric} of quantizing this tensor alone")
         if size is not None and i % 2 == 1:  # what the layer holds, on its value
             reason += "; " + held_text.format(size(i // 2, (chosen[i - 1], o)) / 8)
-        same_meta = [x for x in options[i] if len(x) == len(o)]
-        if t.group_sizes and w < 16:
+        same_meta = [x for x in options[i] if len(x) == len(o) and not _is_vq(x)]
+        if t.group_sizes and w < 16 and not _is_vq(o):
             at_w = " · ".join(
                 f"group {x[1]} {_fmt(options[i][x])} ({stored_bits(w, x[1], mb):.2f})"
                 for x in sorted(same_meta) if x[0] == w)
             reason += f"; at {_bits(w)}: {at_w}"
-        if not pinned:
+        if not pinned and not _is_vq(o):
             at_g = " · ".join(f"{x[0]} b {_fmt(options[i][x])}" for x in sorted(same_meta)
                               if x[1] == g)
             reason += f"; at group {g}: {at_g}"
-        reason += _meta_text(t, o, options[i])
-        if len(o) > 2:  # 8-bit metadata: uniform levels, no rotation was measured with it
+        if _is_vq(o):  # vq values: the option as calibrate.vq priced it, its codebook
+            reason += _vq_text(t, o, options[i])
+            data.update(vq.candidate(t, w, calibration.vq_errors(t.layer)[w][1]).model_dump(
+                include={"group_size", "group_sizes", "levels", "meta_bits", "fit",
+                         "rotation", "codebook"}))
+        elif len(o) == 3:  # 8-bit metadata: uniform levels, no rotation was measured with it
+            reason += _meta_text(t, o, options[i])
             data.update(meta_bits=8, levels="uniform" if t.levels == "auto" else t.levels,
                         rotation="none" if t.rotation == "auto" else t.rotation)
         else:
+            reason += _meta_text(t, o, options[i])
             if t.meta_bits == "auto":
                 data["meta_bits"] = 16
                 data["fit"] = "minmax"  # the fit searches 8-bit scales only

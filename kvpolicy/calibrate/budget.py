@@ -58,7 +58,6 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -66,7 +65,7 @@ from torch import nn
 
 from ..errors import KVPolicyError
 from ..kernels import reference
-from ..kernels.layout import NORMAL_LEVELS, QuantSpec
+from ..kernels.layout import NORMAL_LEVELS, Codebook, QuantSpec
 from ..kernels.masks import causal_mask
 from ..kernels.rotation import rotation_matrix
 from ..policies import (
@@ -77,11 +76,17 @@ from ..policies import (
     TensorPolicy,
 )
 from ..progress import progress_bar, stage_done
-from ..zoo.text import pydoc_tokens
+from . import vq
 from .allocate import allocate
 from .capture import LayerActivations, capture_activations
 from .channels import places_widths, widths_for
 from .metrics import attention_scores, expand_heads, relative_error, roundtrip
+from .text import (  # re-exported: this module was their home
+    CALIBRATION_ROWS,
+    CALIBRATION_TOKENS,
+    calibration_ids,
+    calibration_ids_from_file,
+)
 
 __all__ = [
     "CALIBRATION_TOKENS",
@@ -96,158 +101,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-CALIBRATION_TOKENS = 512
-# Rows of CALIBRATION_TOKENS in a budget's default text (the last 2,048 pydoc tokens): more
-# text, less noise in the costs the allocator trusts (docs/results.md, "Bit budgets:
-# calibration"). Measured a row at a time (the loss-weighted errors add over rows): memory
-# is one row's.
-CALIBRATION_ROWS = 4
-
-
-# --------------------------------------------------------------------------- input
-
-
-def _find_tokenizer(model: nn.Module):
-    """The tokenizer saved beside the model's weights (``config._name_or_path``: a folder
-    with the tokenizer's files or a single GGUF file, or a hub name already in the local
-    cache: nothing is downloaded), or None."""
-    path = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
-    if path and not Path(path).is_dir() and "/" in path and not path.startswith((".", "/")):
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError):  # not in the local cache: the caller says what to pass
-            return None
-    if not path or not Path(path).is_dir():
-        return None
-    from transformers import AutoTokenizer
-
-    if any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return AutoTokenizer.from_pretrained(path)
-    # A model loaded with from_pretrained(folder, gguf_file=name) keeps only the folder: its
-    # tokenizer is in the GGUF file, found when the folder holds exactly one.
-    ggufs = sorted(Path(path).glob("*.gguf"))
-    if len(ggufs) == 1:
-        return AutoTokenizer.from_pretrained(path, gguf_file=ggufs[0].name)
-    return None
-
-
-def calibration_ids(
-    model: nn.Module, tokens: int = CALIBRATION_TOKENS, tokenizer: Any = None, rows: int = 1
-) -> tuple[torch.Tensor, str]:
-    """The default calibration input: the last ``rows * tokens`` tokens of the pydoc text,
-    ``[rows, tokens]`` (a budget's default is :data:`CALIBRATION_ROWS` rows).
-
-    The eval's segments start at the beginning of the text, so this never overlaps them.
-
-    Raises:
-        KVPolicyError: no tokenizer given and none saved beside the model.
-    """
-    tok = tokenizer if tokenizer is not None else _find_tokenizer(model)
-    if tok is None:
-        raise KVPolicyError(
-            f"a bit budget needs calibration text in the model's own tokens, and "
-            f"{type(model).__name__} has no tokenizer saved at config._name_or_path; pass "
-            "calibration=<[B, T] token ids> (about 512 tokens of text like yours) or "
-            "calibration=<a tokenizer>"
-        )
-    ids = pydoc_tokens(tok)
-    n = rows * tokens
-    if ids.numel() < n:
-        raise KVPolicyError(f"the pydoc text has only {ids.numel()} tokens, {n} requested")
-    where = f"pydoc text, last {n} tokens" + (f" as {rows} rows of {tokens}" if rows > 1 else "")
-    return ids[-n:].reshape(rows, tokens), where
-
-
-_TOKEN_ID_SUFFIXES = (".pt", ".pth")
-
-
-def calibration_ids_from_file(
-    model: nn.Module, path: str | Path, tokens: int = CALIBRATION_TOKENS,
-    rows: int = CALIBRATION_ROWS,
-) -> torch.Tensor:
-    """Calibration token ids read from a file, for ``calibrate(model, policy, ids)``.
-
-    Args:
-        model: the model to calibrate; its tokenizer (saved beside its weights, at
-            ``config._name_or_path``) tokenizes a text file.
-        path: a ``.pt``/``.pth`` file holding token ids saved with ``torch.save`` (an integer
-            tensor ``[T]`` or ``[B, T]``, used whole), or any other file: UTF-8 text, cut
-            from its start (no special tokens) into up to ``rows`` rows of ``tokens``, as
-            the default calibration text is.
-        tokens, rows: the rows a text file gives: as many whole rows of ``tokens`` as it
-            holds, at most ``rows``; a text shorter than one row gives one shorter row (and
-            :func:`calibrate` says when it is too short to pack anything).
-
-    Returns:
-        ``[B, T]`` int64 token ids (``B = 1`` for a ``[T]`` tensor).
-
-    Raises:
-        KVPolicyError: the file is missing or cannot be read; a ``.pt`` file does not hold
-            an integer tensor of 1 or 2 dimensions; a text file is empty; text is given
-            but the model has no tokenizer saved beside it.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise KVPolicyError(
-            f"calibration file {path} not found; give a .pt file of token ids saved with "
-            "torch.save, or a UTF-8 text file"
-        )
-    if path.suffix.lower() in _TOKEN_ID_SUFFIXES:
-        try:
-            ids = torch.load(path, weights_only=True, map_location="cpu")
-        except Exception as exc:  # unpickling errors come in many types
-            raise KVPolicyError(
-                f"calibration file {path}: cannot load it with torch.load(weights_only=True) "
-                f"({type(exc).__name__}: {exc}); save the token ids with "
-                "torch.save(ids, path), ids an integer tensor [T] or [B, T]"
-            ) from None
-        if isinstance(ids, torch.Tensor):
-            what = f"a {ids.dtype} tensor of shape {list(ids.shape)}"
-        else:
-            what = f"a {type(ids).__name__}"
-        if (
-            not isinstance(ids, torch.Tensor)
-            or ids.dtype.is_floating_point
-            or ids.dtype.is_complex
-            or ids.dtype == torch.bool
-            or ids.dim() not in (1, 2)
-            or ids.numel() == 0
-        ):
-            raise KVPolicyError(
-                f"calibration file {path} holds {what}; it must hold the token ids as a "
-                "non-empty integer tensor of shape [T] or [B, T] (e.g. "
-                "torch.save(tokenizer(text, return_tensors='pt').input_ids, path))"
-            )
-        ids = ids.to(torch.int64)
-        return ids[None] if ids.dim() == 1 else ids
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise KVPolicyError(
-            f"calibration file {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
-            "give UTF-8 text, or token ids saved with torch.save as a .pt file"
-        ) from None
-    if not text.strip():
-        raise KVPolicyError(
-            f"calibration file {path} is empty; give about {tokens} tokens of text like the "
-            "text the model will see"
-        )
-    tok = _find_tokenizer(model)
-    if tok is None:
-        raise KVPolicyError(
-            f"calibration file {path} is text, and {type(model).__name__} has no tokenizer "
-            "saved at config._name_or_path to turn it into token ids; pass token ids "
-            "saved with torch.save as a .pt file instead (an integer tensor [T] or [B, T])"
-        )
-    ids = tok(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-    whole = min(rows, len(ids) // tokens)
-    if whole == 0:
-        return torch.tensor(ids, dtype=torch.long)[None]
-    return torch.tensor(ids[: whole * tokens], dtype=torch.long).reshape(whole, tokens)
-
 
 # --------------------------------------------------------------------------- measure
 
@@ -327,12 +180,13 @@ class GroupErrors(NamedTuple):
     value_normal: Rows | None
     key_meta8: Rows | None  # meta_bits: auto (uniform levels, 8-bit scale and zero)
     value_meta8: Rows | None
+    value_vq: Rows | None = None  # vq values (vq.priced), at group head_dim
 
 
 @torch.no_grad()
 def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy,
-                           widths: Sequence[int], store: torch.dtype, metric: str = "fisher"
-                           ) -> GroupErrors:
+                           widths: Sequence[int], store: torch.dtype, metric: str = "fisher",
+                           books: dict[int, Codebook] | None = None) -> GroupErrors:
     """The errors of every variant a layer's settings ask for (:class:`GroupErrors`) over
     each tensor's candidate group sizes (:func:`_candidates`), all on one packing schedule.
     Under ``levels: auto`` the plain rows are measured with uniform levels and the normal
@@ -406,9 +260,9 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
         return error(torch.matmul(torch.softmax(s_mix + mask, dim=-1), v_heads))
 
     def value_error(w: int, g: int, rotation: str, levels: str,
-                    meta: int = vp.stored_meta_bits) -> float:
+                    meta: int = vp.stored_meta_bits, book: Codebook | None = None) -> float:
         spec = QuantSpec(w, g, vp.axis.value, levels, meta,  # type: ignore[arg-type]
-                         vp.fit if meta == 8 else "minmax")
+                         vp.fit if meta == 8 and book is None else "minmax", codebook=book)
         rot = rotation_matrix(rotation, v.shape[-1], v.device)
         if rot is None:
             v_seg = roundtrip(v[:, :, seg].contiguous(), spec, store)
@@ -451,8 +305,13 @@ def _layer_errors_by_group(act: LayerActivations, kp: TensorPolicy, vp: TensorPo
             if value_meta8 is not None:
                 value_meta8[g].append(value_error(w, g, rotations[0], "uniform", 8)
                                       if fits else None)
+    value_vq = None
+    if books:  # vq values (calibrate.vq): one group of head_dim, an 8-bit scale
+        rot = vq.candidate(vp, min(books)).rotation
+        value_vq = {vp.head_dim: [value_error(w, vp.head_dim, rot, "vq", 8, books[w])
+                                  if w in books else None for w in widths]}
     return GroupErrors(key_errs, value_errs, rotated_errs, key_normal, value_normal,
-                       key_meta8, value_meta8)
+                       key_meta8, value_meta8, value_vq)
 
 
 def _add(a: GroupErrors | None, b: GroupErrors) -> GroupErrors:
@@ -481,6 +340,15 @@ def _group_table(rows: Rows | None, t: TensorPolicy, groups: Sequence[int], n: i
 def _own_row(rows: Rows | None, t: TensorPolicy) -> tuple[float | None, ...] | None:
     """The row of ``t``'s own group size where its group is fixed (None otherwise)."""
     return None if rows is None or t.group_sizes else tuple(rows[t.group_size])
+
+
+def _vq_rows(rows: Rows | None, vp: TensorPolicy, books: dict[int, Codebook],
+             widths: Sequence[int]) -> dict[str, Any]:
+    """``LayerSensitivity``'s vq fields: the errors and each width's codebook text."""
+    if rows is None:
+        return {}
+    return {"value_vq": tuple(rows[vp.head_dim]), "value_vq_books": tuple(
+        vq.codebook_text(books[w]) if w in books else "" for w in widths)}
 
 
 def scale_dtype(model: nn.Module) -> torch.dtype:
@@ -546,6 +414,14 @@ def calibrate(
     # The loss-weighted errors are sums over rows and tokens: one row at a time gives the
     # same table with one row's activations in memory. The relative error is a ratio over
     # the whole batch.
+    # vq codebooks are fitted on held-out text where kvpolicy picks the text (the pydoc
+    # tokens before the calibration's), so that their measured cost is not flattered by
+    # the fit; on user ids, on those ids.
+    fit_ids = input_ids
+    if source.startswith("pydoc") and any(vq.priced(t) for t in policy.tensors):
+        fit_ids, _ = calibration_ids(model, tokenizer=tokenizer, rows=CALIBRATION_ROWS,
+                                     skip=input_ids.numel())
+    books = vq.fit_books(model, fit_ids.to(device), policy, widths)
     parts = input_ids.split(1) if metric == "fisher" else (input_ids,)
     summed: dict[int, GroupErrors] = {}
     bar = progress_bar(len(parts) * policy.num_layers, desc="calibrating", unit="layer",
@@ -553,7 +429,8 @@ def calibrate(
     for part in parts:
         for act in capture_activations(model, part.to(device), loss_grad=metric == "fisher"):
             kp, vp = policy.get(act.layer, "key"), policy.get(act.layer, "value")
-            got = _layer_errors_by_group(act, kp, vp, widths, store, metric)
+            got = _layer_errors_by_group(act, kp, vp, widths, store, metric,
+                                         books.get(act.layer))
             summed[act.layer] = _add(summed.get(act.layer), got)
             act.query = act.key = act.key_pre = act.value = act.out_grad = None  # type: ignore
             bar.update()
@@ -579,6 +456,7 @@ def calibrate(
             value_normal_groups=_group_table(vn, vp, groups, n),
             key_meta8_groups=_group_table(got.key_meta8, kp, groups, n),
             value_meta8_groups=_group_table(got.value_meta8, vp, groups, n),
+            **_vq_rows(got.value_vq, vp, books.get(i, {}), widths),
         ))
     cal = Calibration(
         metric=CALIBRATION_METRICS[metric], model=policy.model, source=source,

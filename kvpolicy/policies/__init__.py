@@ -17,6 +17,7 @@ The modules, each importing only those before it: rules.py (widths, defaults, ax
 the checks that give one rule one message), messages.py (validation errors as
 ``PolicyError`` lines), yaml_io.py (presets, files, strict YAML), render.py (the table),
 field_docs.py (what each field means, with an example: docs/reference/policy-file.md),
+calibration.py (the sensitivity table),
 schema.py, spec.py, load.py, derive.py. Every problem a user can cause raises
 ``PolicyError`` naming the source, where in it and the field.
 """

@@ -177,7 +177,17 @@ def _reason(
         )
     if values["bits"] < FULL_PRECISION and values["levels"] == "normal":
         parts.append(_levels_text())
-    if values["bits"] < FULL_PRECISION and values.get("meta_bits", 16) == 8:
+    if values["bits"] < FULL_PRECISION and values["levels"] == "vq":
+        n = 8 // values["bits"] if values["bits"] in (1, 2) else 0
+        parts.append(
+            f"vector-quantized: each sub-vector of {n} channels one byte, an index into 256 "
+            "centroids per kv head fitted on calibration text, times one scale per group "
+            "(no zero)"
+        )
+    if (values["bits"] < FULL_PRECISION and values.get("meta_bits", 16) == 8
+            and values["levels"] == "vq"):
+        parts.append("scale in 8 bits (an index into a table of powers of 2^(1/8))")
+    elif values["bits"] < FULL_PRECISION and values.get("meta_bits", 16) == 8:
         parts.append(
             "scale and zero in 8 bits each (a scale index and a zero point on the grid), "
             "half the metadata of the cache dtype"
@@ -216,6 +226,21 @@ def _reason(
     if changed:
         parts.append(", ".join(changed))
     return "; ".join(parts)
+
+
+def _vq_defaults(values: dict[str, Any], origins: dict[str, int], d: Any,
+                 default_group: bool, head_dim: int) -> None:
+    """Written ``levels: vq`` at a fixed width: what nobody wrote follows the format
+    (kernels.layout): one 8-bit scale per token and head (group = head_dim), values
+    Hadamard-rotated where head_dim is a power of two (the codebooks are fitted on what
+    the cache stores, and a rotation makes a token's sub-vectors alike)."""
+    if values["meta_bits"] == "auto":
+        values["meta_bits"] = 8
+    if default_group:
+        values["group_size"] = head_dim
+    written = origins["rotation"] != _DEFAULTS or "rotation" in d.model_fields_set
+    if not written and not head_dim & (head_dim - 1):
+        values["rotation"] = "hadamard"
 
 
 def _levels_text() -> str:
@@ -279,7 +304,8 @@ def build_policy(
                 "pre_rope": d.pre_rope and has_rope,
                 # In the defaults a rotation means the values' (see spec.Defaults).
                 "rotation": d.rotation if kind is TensorKind.VALUE else "none",
-                "levels": d.levels,
+                # levels: vq in the defaults means the values' (keys: auto).
+                "levels": "auto" if d.levels == "vq" and kind is TensorKind.KEY else d.levels,
                 "meta_bits": d.meta_bits,
                 "fit": d.fit,
                 # In the defaults per-channel widths mean the keys' (see spec.Defaults).
@@ -298,6 +324,8 @@ def build_policy(
             default_group = (origins["group_size"] == _DEFAULTS
                              and "group_size" not in d.model_fields_set)
             meta_from = None
+            if values["levels"] == "vq" and values["bits"] < FULL_PRECISION and not stored:
+                _vq_defaults(values, origins, d, default_group, tf.head_dim)
             if values["meta_bits"] == "auto" and not stored:
                 # Only a stored-bits budget prices metadata (rules.metadata_at).
                 values["meta_bits"] = metadata_at("auto", values["bits"], values["levels"],

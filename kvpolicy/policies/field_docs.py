@@ -167,9 +167,14 @@ _SETTINGS: dict[str, FieldDoc] = {
     "levels": FieldDoc(
         "The quantization levels: `uniform` spans each group's min to max; `normal` places "
         "the Lloyd-Max levels of a unit Gaussian by the group's mean and standard deviation "
-        "(the same bytes; tables for 1-4 bits; not with 8-bit metadata); `auto` is uniform "
-        "at a fixed width, and under a budget the calibration measures both and keeps normal "
-        "levels where they cost under 0.95x.",
+        "(the same bytes; tables for 1-4 bits; not with 8-bit metadata); `vq` (values "
+        "only; in the defaults it means the values') codes each sub-vector of 8 / bits "
+        "channels (1 or 2 bits) as one byte, an index into 256 centroids per kv head fitted "
+        "by k-means on calibration text, times one scale per group and no zero (by default "
+        "an 8-bit scale per token and head, Hadamard-rotated: 2.125 stored bits at 2 bits); "
+        "`auto` is uniform at a fixed width, and under a budget the calibration measures "
+        "both and keeps normal levels where they cost under 0.95x; under a stored-bits "
+        "budget it also prices vq values at 1 and 2 bits.",
         "uniform",
     ),
     "meta_bits": FieldDoc(
@@ -356,6 +361,15 @@ _SENSITIVITY: dict[str, FieldDoc] = {
     "value_meta8_groups": FieldDoc("The value's errors with 8-bit scales and zeros at each "
                                    "candidate group and width.",
                                    _per_group(_scaled(_V, *[1.05] * 5)), _GROUP_ERRORS),
+    "value_vq": FieldDoc("For vq values under a stored-bits budget (`levels: auto`, "
+                         "`meta_bits: auto`): the value's errors vector-quantized at 1 and 2 "
+                         "bits, one 8-bit scale per token and head, Hadamard-rotated where "
+                         "head_dim is a power of two.", [_V[0] * 0.5, _V[1] * 0.6, None, None,
+                                                         None], _ERRORS),
+    "value_vq_books": FieldDoc("The codebook each `value_vq` error was measured with (a "
+                               "`codebook` text; empty where not measured): the one the "
+                               "policy takes where the allocator chooses vq.",
+                               ["", "", "", "", ""], "one text per entry of `widths`"),
 }
 
 _MODEL_POLICY: dict[str, FieldDoc] = {
@@ -425,8 +439,8 @@ _TENSOR: dict[str, FieldDoc] = {
                             "empty: the group size was fixed by the spec.", [32, 64, 128],
                             "at least two increasing ints, among them `group_size`"),
     "levels": FieldDoc("The levels setting; the cache uses normal levels at a width with a "
-                       "table (1-4 bits) where it is `normal`, uniform ones otherwise.",
-                       "uniform"),
+                       "table (1-4 bits) where it is `normal`, vector-quantized codes "
+                       "(`codebook`) where it is `vq`, uniform ones otherwise.", "uniform"),
     "meta_bits": FieldDoc("The width of the stored scale and zero: 16, 8, or `auto` under a "
                           "stored-bits budget before allocation.", 8),
     "fit": FieldDoc("How the group's 8-bit grid is fitted: `minmax`, or `mse` (8-bit "
@@ -436,6 +450,10 @@ _TENSOR: dict[str, FieldDoc] = {
     "widths": FieldDoc("Per-channel key widths once allocated, `[kv heads][head_dim]`; "
                        "empty for one width.", [[2, 2, 1, 3]],
                        "each 1-4, averaging `bits` per kv head (keys on axis `channel` only)"),
+    "codebook": FieldDoc("For `levels: vq`: the centroids, base64 of little-endian fp16 "
+                         "`[kv heads][256][8 / bits]`, fitted by k-means on calibration text; "
+                         "empty until fitted (and for every other tensor).", "",
+                         "base64 text of kv heads x 256 x 8 / bits fp16 numbers"),
     "reason": FieldDoc("Why this tensor is quantized so: the analysis, the rule or budget "
                        "that set each value, and what was measured.", _KEY["reason"]),
 }

@@ -74,11 +74,11 @@ def held_tokens(tokens: int, sinks: int, residual: int, chunk: int,
 class Footprint:
     """Bytes a policy's whole cache holds at ``tokens`` tokens, per batch row.
 
-    ``bytes`` counts codes, scales, zeros and the full-precision sinks and residual (with
-    the incomplete chunk); ``body_bytes`` the packed part alone; ``fp16_bytes`` an fp16
-    cache of the same held tokens. ``bits`` is stored bits per cached element over the
-    whole cache, ``body_bits`` over the packed tokens alone (what ``avg_stored_bits``
-    prices).
+    ``bytes`` counts codes, scales, zeros, vq centroids and the full-precision sinks
+    and residual (with the incomplete chunk); ``body_bytes`` the packed part alone;
+    ``fp16_bytes`` an fp16 cache of the same held tokens. ``bits`` is stored bits per
+    cached element over the whole cache, ``body_bits`` over the packed tokens alone (what
+    ``avg_stored_bits`` prices).
     """
 
     tokens: int
@@ -137,7 +137,8 @@ def whole_cache(policy: Any, tokens: int = CONTEXT,
             e = t.elements_per_token
             fp_tokens = held.sinks + held.residual
             packed = held.packed * t.bytes_per_token(scale_bytes)
-            total += packed + fp_tokens * e * _FP_BYTES
+            # A vq tensor's centroids: per layer, whatever the context.
+            total += packed + fp_tokens * e * _FP_BYTES + t.codebook_bytes()
             body += packed
             fp16 += held.total * e * _FP_BYTES
             elements += held.total * e

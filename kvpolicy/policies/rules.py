@@ -238,12 +238,13 @@ def check_group_setting(value: Any) -> int | str | tuple[int, ...]:
     return value
 
 
-def stored_bits(bits: int, group_size: int, scale_bits: int = 16) -> float:
+def stored_bits(bits: int, group_size: int, scale_bits: int = 16, fields: int = 2) -> float:
     """Bits one cached element takes once packed: its code plus its share of one scale and
-    one zero (``scale_bits`` each) per group of ``group_size``; 16 in full precision."""
+    one zero (``scale_bits`` each; ``fields=1``: a scale alone, vector-quantized values)
+    per group of ``group_size``; 16 in full precision."""
     if bits >= FULL_PRECISION:
         return float(bits)
-    return bits + 2 * scale_bits / group_size
+    return bits + fields * scale_bits / group_size
 
 
 def is_budget(bits: int | float) -> bool:
@@ -308,7 +309,8 @@ def check_divides(group_size: int, head_dim: int, bits: int) -> None:
     )
 
 
-def packed_bytes_per_element(bits: int, group_size: int, scale_bytes: int) -> float:
+def packed_bytes_per_element(bits: int, group_size: int, scale_bytes: int,
+                             fields: int = 2) -> float:
     """Bytes one quantized element takes: its code plus its share of one scale and one
-    zero (``scale_bytes`` each) per group of ``group_size``."""
-    return bits / 8 + 2 * scale_bytes / group_size
+    zero (``scale_bytes`` each; ``fields=1``: a scale alone) per group of ``group_size``."""
+    return bits / 8 + fields * scale_bytes / group_size

@@ -6,17 +6,18 @@
     sentence a user can read (``reason``). Renders as a table (render.py), round-trips
     through YAML and JSON, and loading goes through the schema: a file is validated, never
     patched up.
-``Calibration`` (``LayerSensitivity`` per layer)
+``Calibration`` (``LayerSensitivity`` per layer; calibration.py, re-exported here)
     The measured sensitivity of each tensor at each candidate width.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -32,12 +33,12 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..errors import CacheError, PolicyError
-from ..kernels.layout import NORMAL_LEVELS, QuantSpec
+from ..kernels.layout import NORMAL_LEVELS, VQ_BITS, Codebook, QuantSpec, vq_dim
+from .calibration import GROUP_TABLES, Calibration, LayerSensitivity  # noqa: E402, F401
 from .field_docs import documented
 from .messages import translate
 from .render import ranges, render_table
 from .rules import (
-    BUDGET_WIDTHS,
     FULL_PRECISION,
     Axis,
     Frozen,
@@ -51,139 +52,6 @@ from .rules import (
     stored_bits,
 )
 from .yaml_io import parse_yaml, text_or_file
-
-# --------------------------------------------------------------------------- calibration
-
-
-@documented
-class LayerSensitivity(Frozen):
-    """Measured consumed error of one layer's key and value at each candidate width.
-
-    ``key[i]`` / ``value[i]``: the error at ``Calibration.widths[i]`` when only that tensor
-    is quantized (None: the width does not fit the tensor's group size).
-    """
-
-    layer: StrictInt = Field(ge=0)
-    key: tuple[Union[float, None], ...]
-    value: tuple[Union[float, None], ...]
-    # For ``rotation: auto``: the value's errors once more with the Hadamard rotation.
-    value_rotated: tuple[Union[float, None], ...] | None = None
-    # For a group size chosen by a stored-bits budget: ``key_groups[j][i]`` is the error at
-    # ``Calibration.groups[j]`` and ``Calibration.widths[i]`` (None: that pair does not fit
-    # the tensor); None where the tensor's group is fixed (``key`` / ``value`` then).
-    key_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
-    value_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
-    value_rotated_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
-    # For ``levels: auto`` under a budget: the errors once more with normal levels (None
-    # where a width has no normal table), at the own group and per candidate group.
-    key_normal: tuple[Union[float, None], ...] | None = None
-    value_normal: tuple[Union[float, None], ...] | None = None
-    key_normal_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
-    value_normal_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
-    # For ``meta_bits: auto`` under a stored-bits budget: the errors once more with 8-bit
-    # scales and zeros (uniform levels), at the own group (where it is fixed) or per
-    # candidate group.
-    key_meta8: tuple[Union[float, None], ...] | None = None
-    value_meta8: tuple[Union[float, None], ...] | None = None
-    key_meta8_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
-    value_meta8_groups: tuple[tuple[Union[float, None], ...], ...] | None = None
-
-
-# The per-group tables of a LayerSensitivity (None where the tensor's group is fixed).
-GROUP_TABLES = ("key_groups", "value_groups", "value_rotated_groups", "key_normal_groups",
-                "value_normal_groups", "key_meta8_groups", "value_meta8_groups")
-
-
-@documented
-class Calibration(Frozen):
-    """The sensitivity table a bit budget is allocated from
-    (``kvpolicy.calibrate.budget.calibrate``).
-
-    One currency for both tensors (``metric``;
-    ``kvpolicy.calibrate.budget.CALIBRATION_METRICS``): what the change of the attention
-    block's output costs when one tensor of one layer is quantized at one width and
-    everything else is exact; by default the squared first-order change of the calibration
-    text's loss, ``Σ_t (∂L/∂o_t · Δo_t)²``. Keys act through the scores and the softmax,
-    values through the weighted sum.
-
-    ``settings`` fingerprints what the errors depend on besides the width (per tensor:
-    axis, group size and the candidate group sizes, pre-RoPE, residual, sinks; see
-    ``ModelPolicy.calibration_key``), so a saved table is refused once those change.
-    ``groups``: the group sizes measured for tensors whose group a stored-bits budget
-    chooses (``LayerSensitivity.key_groups``); empty when every group is fixed.
-    """
-
-    metric: StrictStr = "loss-weighted attention-output error"
-    model: StrictStr = ""
-    source: StrictStr  # which tokens: "pydoc text, last 512 tokens" or "user token ids"
-    tokens: StrictInt = Field(gt=0)  # per row
-    rows: StrictInt = Field(default=1, gt=0)
-    seconds: float = Field(default=0.0, ge=0)
-    settings: StrictStr
-    widths: tuple[StrictInt, ...] = Field(min_length=1)
-    groups: tuple[StrictInt, ...] = ()
-    layers: tuple[LayerSensitivity, ...] = Field(min_length=1)
-
-    @model_validator(mode="after")
-    def _shapes(self) -> Calibration:
-        for w in self.widths:
-            if w not in BUDGET_WIDTHS:
-                raise invalid("widths", f"width {w} is not one of {BUDGET_WIDTHS}")
-        if list(self.groups) != sorted(set(self.groups)) or any(g <= 0 for g in self.groups):
-            raise invalid("groups", f"groups {list(self.groups)}: positive, increasing")
-        for ls in self.layers:
-            rows = [ls.key, ls.value] + [r for r in (ls.value_rotated, ls.key_normal,
-                                                      ls.value_normal, ls.key_meta8,
-                                                      ls.value_meta8) if r is not None]
-            if any(len(row) != len(self.widths) for row in rows):
-                raise invalid(
-                    "layers",
-                    f"layer {ls.layer}: {len(ls.key)} key and {len(ls.value)} value errors for "
-                    f"{len(self.widths)} widths",
-                )
-            for name in GROUP_TABLES:
-                table = getattr(ls, name)
-                if table is not None and (len(table) != len(self.groups) or any(
-                        len(row) != len(self.widths) for row in table)):
-                    raise invalid(
-                        "layers",
-                        f"layer {ls.layer}: {name} is not {len(self.groups)} groups x "
-                        f"{len(self.widths)} widths",
-                    )
-        return self
-
-    def _layer(self, layer: int) -> LayerSensitivity:
-        for ls in self.layers:
-            if ls.layer == layer:
-                return ls
-        raise KeyError(f"layer {layer} is not in this calibration")
-
-    def errors(self, layer: int, tensor: TensorKind | str, rotated: bool = False,
-               group: int | None = None, normal: bool = False, meta8: bool = False
-               ) -> dict[int, float]:
-        """``{width: error}`` of one tensor, feasible widths only (``rotated``: the value's
-        errors with the Hadamard rotation; ``normal``: with normal levels; ``meta8``: with
-        8-bit scales and zeros; each empty if not measured; ``group``: at that candidate
-        group size, empty if not measured; None: at the policy's own group); KeyError if
-        the layer was not measured."""
-        kind = TensorKind(tensor).value
-        ls = self._layer(layer)
-        if (rotated and (normal or kind == "key")) or (meta8 and (rotated or normal)):
-            return {}  # not measured: keys are not rotated, 8-bit metadata is uniform only
-        name = (kind + ("_rotated" if rotated else "") + ("_normal" if normal else "")
-                + ("_meta8" if meta8 else ""))
-        if group is not None:
-            table = getattr(ls, f"{name}_groups")
-            if table is None or group not in self.groups:
-                return {}
-            row = table[self.groups.index(group)]
-        else:
-            row = getattr(ls, name)
-            if row is None:
-                return {}
-        return {w: e for w, e in zip(self.widths, row, strict=True) if e is not None}
-
-
 
 # --------------------------------------------------------------------------- result
 
@@ -220,7 +88,9 @@ class TensorPolicy(Frozen):
     group_sizes: tuple[StrictInt, ...] = ()
     # The levels setting (uniform, normal or auto: a budget measures both, else
     # rules.levels_at); ``code_levels`` is what the cache uses at ``bits``.
-    levels: Literal["uniform", "normal", "auto"] = "uniform"
+    # "vq": values vector-quantized, one byte per sub-vector of 8 // bits channels into
+    # 256 centroids per kv head fitted on calibration text (``codebook``; kernels.layout).
+    levels: Literal["uniform", "normal", "auto", "vq"] = "uniform"
     # Width of the stored scale and zero (kernels.layout): 16, the cache dtype; 8, a byte
     # each (a scale index and a zero point; uniform levels); "auto" (under a stored-bits
     # budget, before allocation): measured both ways, the allocator chooses.
@@ -233,6 +103,9 @@ class TensorPolicy(Frozen):
     # the queries look (calibrate.channels); ``widths`` [kv heads][head_dim] once allocated.
     channel_widths: Literal["uniform", "auto"] = "uniform"
     widths: tuple[tuple[StrictInt, ...], ...] = ()
+    # levels: vq: the centroids, base64 of fp16 [kv heads][256][8 // bits] (kernels.layout
+    # Codebook); "" until fitted on calibration text (calibrate.vq).
+    codebook: StrictStr = ""
     reason: StrictStr
 
     @field_validator("bits")
@@ -298,6 +171,8 @@ class TensorPolicy(Frozen):
             )
         if self.channel_widths == "auto" or self.widths:
             self._check_channel_widths()
+        if self.levels == "vq" or self.codebook:
+            self._check_vq()
         if self.derived_pre_rope and self.rope is None:
             raise invalid("derived_pre_rope", "derived_pre_rope is true but rope is null")
         if self.group_sizes:
@@ -345,17 +220,62 @@ class TensorPolicy(Frozen):
                 raise invalid("widths", f"widths must be [{self.num_kv_heads} kv heads]"
                               f"[{self.head_dim} channels]")
 
+    def _check_vq(self) -> None:
+        if self.levels != "vq":
+            raise invalid("codebook", "a codebook is for levels: vq; drop it or set levels: vq")
+        if self.tensor is not TensorKind.VALUE or self.axis is not Axis.TOKEN:
+            raise invalid(
+                "levels",
+                "levels: vq codes sub-vectors of one token's channels, which is how a value "
+                "is consumed (a weighted sum over tokens); use it on tensor: value with "
+                "axis: token",
+            )
+        if self.full_precision:
+            return
+        if self.bits not in VQ_BITS:
+            raise invalid("levels", f"levels: vq has {list(VQ_BITS)} bits per element (one "
+                          f"byte per {vq_dim(VQ_BITS[-1])} or {vq_dim(VQ_BITS[0])} channels), "
+                          f"not {self.bits}; use one of them or levels: uniform",
+                          "levels", "bits")
+        d = vq_dim(self.bits)
+        if self.group_size % d:
+            raise invalid("group_size", f"levels: vq at {self.bits} bits codes sub-vectors "
+                          f"of {d} channels; group_size {self.group_size} is not a multiple "
+                          f"of {d}", "group_size", "levels")
+        if self.fit == "mse":
+            raise invalid("fit", "fit: mse fits a uniform grid; use fit: minmax with levels: "
+                          "vq", "fit", "levels")
+        if self.codebook:
+            try:
+                self.quant_spec()
+            except (CacheError, ValueError) as e:
+                raise invalid("codebook", f"not a codebook of {self.num_kv_heads} kv heads x "
+                              f"256 centroids x {d} channels in base64 fp16 ({e}); delete it "
+                              "so that compile_model fits it again") from None
+
     @property
     def full_precision(self) -> bool:
         """True when the tensor is stored unquantized (``bits == 16``)."""
         return self.bits == FULL_PRECISION
 
     @property
-    def code_levels(self) -> Literal["uniform", "normal"]:
+    def code_levels(self) -> Literal["uniform", "normal", "vq"]:
         """The levels the cache quantizes this tensor with at its width
         (``kernels.layout``; ``levels: auto`` by ``rules.levels_at``; uniform with 8-bit
-        metadata)."""
+        metadata, unless vector-quantized)."""
+        if self.levels == "vq":
+            return "uniform" if self.full_precision else "vq"
         return "uniform" if self.meta_bits == 8 else levels_at(self.levels, self.bits)
+
+    @property
+    def vq(self) -> bool:
+        """Vector-quantized (levels: vq below 16 bits): a scale per group and no zero."""
+        return self.levels == "vq" and not self.full_precision
+
+    def codebook_bytes(self) -> int:
+        """Bytes of the vector-quantized centroids this tensor holds per layer (fp16), 0
+        for a tensor that has none."""
+        return self.num_kv_heads * 256 * vq_dim(self.bits) * 2 if self.vq else 0
 
     @property
     def stored_meta_bits(self) -> int:
@@ -365,10 +285,14 @@ class TensorPolicy(Frozen):
 
     def quant_spec(self) -> QuantSpec:
         """The kernels' :class:`~kvpolicy.kernels.layout.QuantSpec` of this tensor."""
+        book = None
+        if self.vq and self.codebook:
+            book = Codebook(self.num_kv_heads, vq_dim(self.bits),
+                            base64.b64decode(self.codebook, validate=True))
         return QuantSpec(self.bits, self.group_size, self.axis.value,  # type: ignore[arg-type]
                          self.code_levels, self.stored_meta_bits,
                          self.fit if self.stored_meta_bits == 8 else "minmax",
-                         None if self.full_precision else (self.widths or None))
+                         None if self.full_precision else (self.widths or None), book)
 
     @property
     def pinned_full_precision(self) -> bool:
@@ -392,13 +316,14 @@ class TensorPolicy(Frozen):
         if self.full_precision:
             return 2.0 * self.elements_per_token
         return self.elements_per_token * packed_bytes_per_element(
-            self.bits, self.group_size, self.meta_bytes(scale_bytes)
+            self.bits, self.group_size, self.meta_bytes(scale_bytes), 1 if self.vq else 2
         )
 
     def stored_bits(self, scale_bytes: int = 2) -> float:
         """Stored bits per packed element: ``bits + 2 * 8 * meta_bytes / group_size`` (the
         code and its share of a scale and a zero), 16 in full precision."""
-        return stored_bits(self.bits, self.group_size, 8 * self.meta_bytes(scale_bytes))
+        return stored_bits(self.bits, self.group_size, 8 * self.meta_bytes(scale_bytes),
+                           1 if self.vq else 2)
 
 
 @documented

@@ -46,7 +46,7 @@ _SETTABLE = (
 )
 # The quantization levels (kernels.layout): "auto" is chosen per tensor by a budget's
 # calibration, and is uniform without one (rules.levels_at).
-LevelsSetting = Literal["uniform", "normal", "auto"]
+LevelsSetting = Literal["uniform", "normal", "auto", "vq"]
 
 LayerSelector = Union[StrictInt, StrictStr, tuple[Union[StrictInt, StrictStr], ...]]
 # A fixed group size, "auto" (a stored-bits budget chooses among rules.GROUP_CHOICES) or the
@@ -145,7 +145,9 @@ class Defaults(Frozen):
     # cuts the measured cost (calibrate.apply.ROTATION_GAIN).
     rotation: Literal["none", "hadamard", "auto"] = "none"
     # The quantization levels (kernels.layout): uniform, normal (Lloyd-Max levels of a unit
-    # Gaussian placed by each group's mean and deviation) or auto (rules.levels_at).
+    # Gaussian placed by each group's mean and deviation), vq (values only: sub-vectors of
+    # 8 // bits channels coded by 256 centroids per kv head fitted on calibration text) or
+    # auto (rules.levels_at; under a stored-bits budget the calibration also prices vq).
     levels: LevelsSetting = "auto"
     # Width of each group's stored scale and zero (kernels.layout): 16 (the cache dtype) or
     # 8 (a scale index and a zero point, uniform levels): at 2 bits and groups of 16,

@@ -286,13 +286,12 @@ class PackedKVLayer:
                                   per * self.chunk)
             qv = quantize_in_blocks(quantize, res_v[:, :, :n], self.value_spec, store,
                                   per * self.chunk)
-            # Full-precision specs have empty scale/zero: those buffers stay empty.
-            pk = tuple(
-                buf if x.numel() == 0 else buf.appended(x) for buf, x in zip(pk, qk, strict=True)
-            )
-            pv = tuple(
-                buf if x.numel() == 0 else buf.appended(x) for buf, x in zip(pv, qv, strict=True)
-            )
+            # Full-precision specs have a 1-D empty scale/zero: those buffers stay empty (a
+            # vq zero [B, H, n, 0] grows with the tokens, keeping its dtype and shape).
+            pk = tuple(buf if x.dim() == 1 else buf.appended(x)
+                       for buf, x in zip(pk, qk, strict=True))
+            pv = tuple(buf if x.dim() == 1 else buf.appended(x)
+                       for buf, x in zip(pv, qv, strict=True))
             n_packed += n
             res_k, res_v = res_k[:, :, n:].contiguous(), res_v[:, :, n:].contiguous()
         new_pos = self._pos
@@ -558,8 +557,8 @@ class PackedKVLayer:
     def memory_report(self) -> dict[str, Any]:
         """Bytes actually held, by segment, and what a plain fp16 cache would take.
 
-        ``bytes`` counts everything the layer holds: codes, scales, zeros, sinks, residual
-        and positions (a few bytes per run of contiguous tokens, 4 per explicit one).
+        ``bytes`` counts everything the layer holds: codes, scales, zeros, vq centroids,
+        sinks, residual and positions (a few bytes per contiguous run, 4 per lone token).
         ``spare_bytes`` is the allocated but unused capacity of growing buffers;
         ``allocated_bytes`` is ``bytes + spare_bytes``. ``fp16_bytes`` is
         ``2 * B * Hkv * seq_len * (Dk + Dv)`` (the tokens held; a sliding-window layer's
@@ -572,8 +571,9 @@ class PackedKVLayer:
         scales = self._pk[1].nbytes + self._pv[1].nbytes
         zeros = self._pk[2].nbytes + self._pv[2].nbytes
         pos = self._pos.nbytes
-        total = sink + resid + codes + scales + zeros + pos
-        alloc = sink + resid + sum(buf.allocated_bytes for buf in (*self._pk, *self._pv))
+        book = sum(s.codebook.nbytes for s in (self.key_spec, self.value_spec) if s.codebook)
+        total = sink + resid + codes + scales + zeros + pos + book
+        alloc = sink + resid + book + sum(b.allocated_bytes for b in (*self._pk, *self._pv))
         alloc += pos + self._pos.spare_bytes
         fp16 = 0
         if self._shape is not None:

@@ -33,6 +33,7 @@ from ..api import derive_policy
 from ..errors import KVPolicyError, PolicyError
 from ..kernels.layout import QuantSpec, RotarySpec
 from ..policies import ModelPolicy
+from ..policies.render import ranges
 from ..runtime.cache import storage_dtype
 from ..runtime.paged import PagedLayout
 from ..zoo.models import cache_dir
@@ -142,6 +143,13 @@ class ServedPolicy:
                             f"{num_kv_heads}")
         if k.head_dim != head_dim:
             problems.append(f"the policy's head_dim is {k.head_dim}, the model's {head_dim}")
+        vq = sorted({t.layer for t in self.policy.tensors if t.vq})
+        if vq:  # no silent downgrade: a vq value has no page layout here yet
+            raise PolicyError(
+                f"kvpolicy: the policy {self.policy.source!r} vector-quantizes the values of "
+                f"layers {ranges(vq)} (levels: vq), which the vLLM pages do not serve yet; "
+                "derive the served policy with levels: uniform for values, or with "
+                "budget_pages (a budget over vLLM's pages never prices vq)")
         if problems:
             raise PolicyError(f"kvpolicy: the policy {self.policy.source!r} does not fit the "
                               f"served model: {'; '.join(problems)}; derive it from this "
