@@ -46,6 +46,7 @@ def derive_policy(
     progress: bool = True,
     probe_kwargs: Callable[[Any], dict[str, Any]] | None = None,
     stored_bits: float | None = None,
+    vq_values: bool = True,
 ) -> ModelPolicy:
     """Derive the quantization policy of every cached tensor of ``model``.
 
@@ -69,6 +70,8 @@ def derive_policy(
             more (gpt-fast's ``input_pos``); see ``compile_model``.
         stored_bits: a budget of average *stored* bits per cached element, scales and
             zeros included (see ``compile_model``); excludes a float ``bits``.
+        vq_values: let a stored-bits budget price vector-quantized values (``levels:
+            auto``); False keeps it to scalar codes (the vLLM plugin: its pages serve none).
 
     Returns:
         A ``ModelPolicy``: per layer, key then value, axis/bits/group/pre-RoPE/residual/
@@ -109,7 +112,8 @@ def derive_policy(
         if text is None:
             result = uniform_widths(result)
     if spec.budget is not None:
-        result, cal = budget_policy(model, result, spec, calibration, progress=progress)
+        result, cal = budget_policy(model, result, spec, calibration, progress=progress,
+                                    vq_values=vq_values)
         spec = spec.model_copy(update={"calibration": cal})
     if text is not None:
         result = channel_policy(model, result, text, written)

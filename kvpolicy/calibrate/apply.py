@@ -267,12 +267,10 @@ def _vq_text(t: TensorPolicy, o: Option, opts: dict[Option, float]) -> str:
     mine = stored_bits(w, o[1], 8, 1)
     scalar = [(e, x) for x, e in opts.items() if not _is_vq(x) and x[0] < 16
               and stored_bits(x[0], x[1], x[2] if len(x) > 2 else 16) <= mine + 0.5]
-    alt = ""
-    if scalar:
-        e, x = min(scalar)
-        alt = (f" against {_fmt(e)} for the best scalar option up to 0.5 bits more "
-               f"({_bits(x[0])}, group {x[1]}, "
-               f"{stored_bits(x[0], x[1], x[2] if len(x) > 2 else 16):.2f} stored bits)")
+    e, x = min(scalar) if scalar else (0.0, ())
+    alt = (f" against {_fmt(e)} for the best scalar option up to 0.5 bits more ({_bits(x[0])}"
+           f", group {x[1]}, {stored_bits(x[0], x[1], x[2] if len(x) > 2 else 16):.2f} stored"
+           " bits)") if scalar else ""
     return (f"; levels: auto chose vq (at {_bits(w)}: {_fmt(opts[o])}{alt}; 256 centroids "
             "per kv head fitted by k-means, on held-out pydoc text for the default text; the "
             "allocator prices each option by its stored bits and the centroids' bytes)")
@@ -482,11 +480,12 @@ def budget_policy(
     spec: PolicySpec,
     calibration: Calibration | torch.Tensor | Any = None,
     progress: bool = True,
+    vq_values: bool = True,
 ) -> tuple[ModelPolicy, Calibration]:
     """Allocate ``spec.budget`` (in ``spec.budget_unit``) over ``base`` (built from
     ``spec``): from ``calibration`` (a :class:`Calibration`, token ids or a tokenizer), else
     ``spec.calibration``, else a fresh :func:`~kvpolicy.calibrate.budget.calibrate` on the
-    default text."""
+    default text (``vq_values``: as there)."""
     budget, unit = spec.budget, spec.budget_unit
     if budget is None or unit is None:
         raise ValueError("budget_policy needs a spec with a budget (bits float or stored_bits)")
@@ -495,7 +494,8 @@ def budget_policy(
     elif spec.calibration is not None and calibration is None:
         cal = spec.calibration
     else:
-        cal = measure.calibrate_on(model, base, calibration, progress=progress)
+        cal = measure.calibrate_on(model, base, calibration, progress=progress,
+                                   vq_values=vq_values)
     # NOTE: scales and zeros are stored in fp16 for fp32/fp16 models and in bf16 for bf16
     # ones (runtime.cache.storage_dtype): 16 bits each.
     scale_bits = torch.finfo(measure.scale_dtype(model)).bits

@@ -367,6 +367,7 @@ def calibrate(
     widths: Sequence[int] = BUDGET_WIDTHS,
     metric: str = "fisher",
     progress: bool = True,
+    vq_values: bool = True,
 ) -> Calibration:
     """Measure how much each tensor of each layer costs at each width, where consumed.
 
@@ -385,6 +386,9 @@ def calibrate(
         metric: the currency, a key of :data:`CALIBRATION_METRICS`: ``"fisher"`` (default)
             weighs the output change by the calibration loss's gradient; ``"relative"`` is
             the plain relative output error.
+        vq_values: price vector-quantized values where a value's levels and metadata are
+            the budget's to choose (``calibrate.vq.priced``); False: scalar options only
+            (what vLLM's pages serve).
 
     Returns:
         A :class:`~kvpolicy.policies.Calibration`; deterministic for the same input.
@@ -418,10 +422,11 @@ def calibrate(
     # tokens before the calibration's), so that their measured cost is not flattered by
     # the fit; on user ids, on those ids.
     fit_ids = input_ids
-    if source.startswith("pydoc") and any(vq.priced(t) for t in policy.tensors):
+    priced = vq_values and any(vq.priced(t) for t in policy.tensors)
+    if priced and source.startswith("pydoc"):
         fit_ids, _ = calibration_ids(model, tokenizer=tokenizer, rows=CALIBRATION_ROWS,
                                      skip=input_ids.numel())
-    books = vq.fit_books(model, fit_ids.to(device), policy, widths)
+    books = vq.fit_books(model, fit_ids.to(device), policy, widths) if priced else {}
     parts = input_ids.split(1) if metric == "fisher" else (input_ids,)
     summed: dict[int, GroupErrors] = {}
     bar = progress_bar(len(parts) * policy.num_layers, desc="calibrating", unit="layer",

@@ -220,8 +220,13 @@ def _derive(model_path: str, value: Any, max_positions: int) -> ServedPolicy:
         tokenizer = None
     bits = value if isinstance(value, (int, float)) and not isinstance(value, bool) else 2
     policy = None if isinstance(value, (int, float)) else value
+    # vLLM's pages have no layout for vq values: a budget is allocated over scalar codes.
     pol = derive_policy(model, bits=bits, policy=policy, calibration=tokenizer,
-                        progress=False)
+                        progress=False, vq_values=False)
+    if pol.budget_unit == "stored" and pol.budget_pages is None:
+        log.warning("kvpolicy: the stored-bits budget was allocated over scalar codes only; "
+                    "compile_model would also price vector-quantized values (levels: vq), "
+                    "which the vLLM pages do not serve yet")
     rope, why = _rope_table(model, pol, max_positions)
     dtype = getattr(model.config, "dtype", None)
     del model

@@ -126,6 +126,9 @@ def test_a_stored_budget_prices_vq_values_and_takes_them_on_a_clustered_layer():
     assert value.levels == "vq" and value.codebook == got[value.bits][1]
     assert "levels: auto chose vq" in value.reason
     assert whole_cache(pol, 2048).bits <= 2.0 + 1e-9  # the centroids counted within it
+    # what the vLLM plugin derives: scalar codes only, nothing measured vq
+    scalar = kvpolicy.derive_policy(model, policy=spec, calibration=ids, vq_values=False)
+    assert not any(t.vq for t in scalar.tensors) and not scalar.calibration.vq_errors(0)
 
 
 def test_a_saved_budget_keeps_its_vq_codebooks_without_calibrating_again(tmp_path):
