@@ -98,6 +98,12 @@ def derive_policy(
             f"{spec.source}: rotation: auto is chosen per tensor from a bit budget's "
             "calibration; give a budget (bits=2.5) or rotation: none / hadamard"
         )
+    if spec.budget is not None and any(t.levels == "vq" for t in result.tensors):
+        raise PolicyError(
+            f"{spec.source}: levels: vq is written under a bit budget, whose calibration "
+            "measures scalar widths; leave levels: auto (a stored-bits budget prices vq "
+            "values itself), or give a fixed width (bits: 2) for levels: vq"
+        )
     text = None
     if any(t.channel_widths == "auto" for t in result.tensors):
         # Decided before a budget, whose calibration prices the keys' widths with them.

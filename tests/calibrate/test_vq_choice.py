@@ -164,3 +164,9 @@ def test_the_default_text_fits_codebooks_on_tokens_held_out_from_the_calibration
     assert torch.equal(cal.flatten(), ids[-128:]) and torch.equal(held.flatten(), ids[-256:-128])
     assert where_held == "pydoc text, 128 tokens before the last 128 as 2 rows of 64"
     assert where == "pydoc text, last 128 tokens as 2 rows of 64"
+
+
+def test_written_vq_under_a_budget_is_refused_with_the_way():
+    spec = {"defaults": {"stored_bits": 2.5, "levels": "vq"}}
+    with pytest.raises(PolicyError, match="leave levels: auto"):
+        kvpolicy.derive_policy(tiny_model("llama"), policy=spec, calibration=_ids(96))
