@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import test_cpu_levels
+import test_cpu_meta8
 import torch
 from test_cpu_levels import Case, check_decode, decode_case
 from test_cpu_paged import paged
@@ -22,27 +23,15 @@ from kvpolicy.kernels import torch_backend as tb
 from kvpolicy.kernels.layout import Codebook, Packed, QuantSpec
 from kvpolicy.zoo.tiny import rope_spec
 
-# The levels tests' fixture: strict builds and a count of the C++ kernel's calls.
+# The levels tests' fixture: strict builds and a count of the C++ kernel's calls; the 8-bit
+# metadata tests' record of the configurations asked of cpu_ext.load.
 cpp_calls = test_cpu_levels.cpp_calls
+loads = test_cpu_meta8.loads
 STORES = {
     "fp32-none": (torch.float32, lambda d: None),
     "bf16-half": (torch.bfloat16, lambda d: rope_spec("rotate_half", d, 4096)),
     "fp16-interleaved": (torch.float16, lambda d: rope_spec("interleaved", d, 4096)),
 }
-
-
-@pytest.fixture
-def loads(cpp_calls, monkeypatch) -> list[tuple[int, ...]]:
-    """The configurations the torch backend asks ``cpu_ext.load`` for (built strictly)."""
-    asked: list[tuple[int, ...]] = []
-    real = cpu_ext.load
-
-    def spy(*args):
-        asked.append(args)
-        return real(*args)
-
-    monkeypatch.setattr(cpu_ext, "load", spy)
-    return asked
 
 
 def book(heads: int, bits: int, seed: int) -> Codebook:
