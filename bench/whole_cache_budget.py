@@ -14,11 +14,13 @@ Rows: ``bits=2`` (the default), ``stored_bits=2.5`` counted over the body alone 
 published frontier used), and the whole-cache budgets ``--budgets`` at 4,096 tokens, with
 ``residual: 128`` (kvpolicy's residual window elsewhere) and ``residual: 32`` (what a
 whole-cache budget keeps unless one is written; the allocator does not trade it per layer
-yet). A budget the full-precision tokens alone exceed is a row that says so. Budgets share
-one calibration per residual.
+yet). ``--residual-bits 16 8`` also runs each whole-cache row with its residual window
+held at 8 bits per token (``residual_bits``, runtime.recent). A budget the full-precision
+tokens alone exceed is a row that says so. Budgets share one calibration per residual.
 
     .venv/bin/python bench/whole_cache_budget.py [--budgets 3.0 2.5 2.0 1.5]
-        [--retrieval 1024] [--residuals 128 32] [--no-fixed] [--levels uniform]
+        [--retrieval 1024] [--residuals 128 32] [--residual-bits 16 8] [--no-fixed]
+        [--levels uniform]
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def main() -> None:
     ap.add_argument("--retrieval", type=int, default=1024)
     ap.add_argument("--residuals", type=int, nargs="+", default=[128, 32],
                     help="residual windows of the whole-cache rows (default 128 32)")
+    ap.add_argument("--residual-bits", type=int, nargs="+", default=[16],
+                    help="residual_bits of the whole-cache rows (default 16)")
     ap.add_argument("--no-fixed", action="store_true",
                     help="skip the bits=2 and body-only stored_bits=2.5 rows")
     ap.add_argument("--levels", default=None,
@@ -74,10 +78,13 @@ def main() -> None:
     levels = {} if args.levels is None else {"levels": args.levels}
     for residual in args.residuals:
         for b in args.budgets:
-            rows.append((f"stored_bits={b:g} whole, residual {residual}"
-                         + (f", levels {args.levels}" if levels else ""),
-                         {"defaults": {"stored_bits": b, "budget_context": AT,
-                                       "residual": residual, **levels}}))
+            for rb in args.residual_bits:
+                rows.append((f"stored_bits={b:g} whole, residual {residual}"
+                             + (f" at {rb} bits" if rb != 16 else "")
+                             + (f", levels {args.levels}" if levels else ""),
+                             {"defaults": {"stored_bits": b, "budget_context": AT,
+                                           "residual": residual, "residual_bits": rb,
+                                           **levels}}))
     calibrations: dict[int, object] = {}
     for name, spec in rows:
         residual = spec["defaults"].get("residual", 128)

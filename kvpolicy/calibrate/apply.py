@@ -308,22 +308,22 @@ def _book_bits(pair: tuple[TensorPolicy, TensorPolicy], opts: tuple[Option, ...]
 def _whole_cache_sizes(policy: ModelPolicy, meta: list[int], context: int
                        ) -> tuple[Callable[[int, tuple[Option, ...]], int], int]:
     """For a whole-cache budget at ``context`` tokens: ``size(layer, (key option, value
-    option))``, the bits that layer holds (policies.footprint's schedule; sinks, residual
-    and incomplete chunk at 16 bits), and the elements every layer keeps whatever the
-    options (what an fp16 cache holds)."""
+    option))``, the bits that layer holds (policies.footprint's schedule; sinks at 16 bits,
+    residual and incomplete chunk at ``residual_bits``), and the elements every layer keeps
+    whatever the options (what an fp16 cache holds)."""
     pairs = _layer_pairs(policy)
     windows = policy.windows or (None,) * len(pairs)
 
     def size(layer: int, opts: tuple[Option, ...]) -> int:
         (key, value), window = pairs[layer], windows[layer]
-        if all(o[0] >= 16 for o in opts):
-            held = held_tokens(context, 0, context, 1, window)
-        else:
-            held = held_tokens(context, key.sinks, key.residual, _chunk(pairs[layer], opts),
-                               window)
-        fp = (held.sinks + held.residual) * (key.elements_per_token + value.elements_per_token)
+        full = all(o[0] >= 16 for o in opts)
+        held = held_tokens(context, 0, context, 1, window) if full else held_tokens(
+            context, key.sinks, key.residual, _chunk(pairs[layer], opts), window)
+        fp = held.sinks * (key.elements_per_token + value.elements_per_token)
+        recent = held.residual * 8 * sum(2 * t.elements_per_token if full else
+                                          t.residual_bytes_per_token() for t in pairs[layer])
         return math.ceil(held.packed * _body_bits(pairs[layer], opts, meta, layer) + 16 * fp
-                         + _book_bits(pairs[layer], opts))
+                         + recent + _book_bits(pairs[layer], opts))
 
     elements = sum(held_tokens(context, 0, context, 1, w).total
                    * (k.elements_per_token + v.elements_per_token)

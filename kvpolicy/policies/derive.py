@@ -192,6 +192,11 @@ def _reason(
             "scale and zero in 8 bits each (a scale index and a zero point on the grid), "
             "half the metadata of the cache dtype"
         )
+    if values.get("residual_bits", 16) < FULL_PRECISION and values["residual"]:
+        parts.append(
+            f"the {values['residual']} recent tokens held at {values['residual_bits']} bits "
+            "per token (a scale and a zero per token and kv head), not 16"
+        )
     if values.get("fit") == "mse" and values["bits"] < FULL_PRECISION:
         where = (" where the budget chooses 8-bit metadata"
                  if values.get("meta_bits") == "auto" else "")
@@ -299,6 +304,7 @@ def build_policy(
                 "bits": start_bits,
                 "group_size": start_group,
                 "residual": d.residual,
+                "residual_bits": d.residual_bits,
                 "sinks": d.sinks,
                 "axis": d.axis if d.axis is not None else derived_axis,
                 "pre_rope": d.pre_rope and has_rope,
@@ -343,6 +349,8 @@ def build_policy(
                     and "channel_widths" not in d.model_fields_set
                     and (values["axis"] is not Axis.CHANNEL or values["levels"] == "normal")):
                 values["channel_widths"] = "uniform"  # kvpolicy's own auto: nothing to place
+            if values["bits"] == FULL_PRECISION:
+                values["residual_bits"] = FULL_PRECISION  # every token is full precision
             if values["rotation"] == "auto" and tf.head_dim & (tf.head_dim - 1):
                 values["rotation"] = "none"  # no Hadamard of this size: nothing to choose
             if values["pre_rope"] and not has_rope and tf.rope is not None:

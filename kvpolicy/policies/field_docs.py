@@ -127,13 +127,24 @@ _SETTINGS: dict[str, FieldDoc] = {
         "candidates such as [32, 64]",
     ),
     "residual": FieldDoc(
-        "The most recent tokens kept in full precision (KIVI's residual window); older "
+        "The most recent tokens kept out of the packed body, in full precision unless "
+        "`residual_bits` says otherwise (KIVI's residual window); older "
         "tokens are packed in groups as they leave it. Key and value of a layer share it. "
         "Left out, a local (sliding-window) layer keeps `residual × window / 4096` of "
         "them (16 of a 512-token window): it holds about a window of tokens, where a "
         "global layer spreads its residual over the whole context. Left out under a "
         "whole-cache budget (`budget_context`), it is 32.",
         128,
+    ),
+    "residual_bits": FieldDoc(
+        "How the residual window's tokens (and the incomplete group waiting in it) are "
+        "held: 16, full precision; 8 or 4, packed per token, each token's channels one group "
+        "with a scale and a zero in the cache dtype (8.5 bits per element at 8 bits and "
+        "head_dim 64). The whole-cache accounting (`budget_context`, `inspect`, "
+        "`memory_report()`) counts them at this width, so a whole-cache budget gives the "
+        "bytes saved to the packed body. Sinks stay at 16; a full-precision tensor keeps 16. "
+        "vLLM serves the residual as its pages' full-precision stage whatever this says.",
+        8,
     ),
     "sinks": FieldDoc(
         "The first tokens of the sequence kept in full precision (attention sinks). Key and "
@@ -252,6 +263,8 @@ _RULE: dict[str, FieldDoc] = {
     "levels": FieldDoc("The levels of the selected tensors (as `defaults.levels`).", "normal"),
     "meta_bits": FieldDoc("The metadata width of the selected tensors (as "
                           "`defaults.meta_bits`).", 8),
+    "residual_bits": FieldDoc("How the selected tensors hold their residual window (as "
+                              "`defaults.residual_bits`).", 8),
     "fit": FieldDoc("The fit of the selected tensors' 8-bit grids (as `defaults.fit`).", "mse"),
     "channel_widths": FieldDoc("Per-channel widths of the selected keys (as "
                                "`defaults.channel_widths`).", "uniform"),
@@ -411,7 +424,8 @@ _TENSOR: dict[str, FieldDoc] = {
                            "head_dim on axis `token`"),
     "pre_rope": FieldDoc("Keys cached before RoPE; RoPE is re-applied after dequantization "
                          "(needs `rope`).", True),
-    "residual": FieldDoc("The most recent tokens kept in full precision.", 128),
+    "residual": FieldDoc("The most recent tokens kept out of the packed body, at "
+                         "`residual_bits`.", 128),
     "sinks": FieldDoc("The first tokens kept in full precision.", 4),
     "head_dim": FieldDoc("Channels per head.", 64),
     "num_kv_heads": FieldDoc("Cached heads: a token holds num_kv_heads × head_dim elements "
@@ -443,6 +457,8 @@ _TENSOR: dict[str, FieldDoc] = {
                        "(`codebook`) where it is `vq`, uniform ones otherwise.", "uniform"),
     "meta_bits": FieldDoc("The width of the stored scale and zero: 16, 8, or `auto` under a "
                           "stored-bits budget before allocation.", 8),
+    "residual_bits": FieldDoc("How the residual window's tokens are held: 16 (full "
+                              "precision), or 8 or 4 bits per element packed per token.", 16),
     "fit": FieldDoc("How the group's 8-bit grid is fitted: `minmax`, or `mse` (8-bit "
                     "metadata only).", "mse"),
     "channel_widths": FieldDoc("`auto`: each kv head's key channels take 1-4 bits, `bits` on "

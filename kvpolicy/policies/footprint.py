@@ -10,8 +10,10 @@ value's token groups is packed once the residual holds ``residual + chunk`` toke
 local layer drops the sinks and whole packed chunks that lie before its window.
 
 Full-precision tokens are counted at 2 bytes per element (fp16 or bf16, what a quantized
-layer stores them in); the comparison is with an fp16 cache of the tokens each layer
-holds. The positions the cache keeps (a few bytes per run of tokens) are not counted.
+layer stores them in), residual tokens at their ``residual_bits`` (``runtime.recent``:
+codes, and a scale and a zero per token and kv head below 16); the comparison is with an
+fp16 cache of the tokens each layer holds. The positions the cache keeps (a few bytes
+per run of tokens) are not counted.
 """
 
 from __future__ import annotations
@@ -74,8 +76,9 @@ def held_tokens(tokens: int, sinks: int, residual: int, chunk: int,
 class Footprint:
     """Bytes a policy's whole cache holds at ``tokens`` tokens, per batch row.
 
-    ``bytes`` counts codes, scales, zeros, vq centroids and the full-precision sinks
-    and residual (with the incomplete chunk); ``body_bytes`` the packed part alone;
+    ``bytes`` counts codes, scales, zeros, vq centroids, the full-precision sinks and
+    the residual with the incomplete chunk (at its ``residual_bits``); ``body_bytes``
+    the packed part alone;
     ``fp16_bytes`` an fp16 cache of the same held tokens. ``bits`` is stored bits per
     cached element over the whole cache, ``body_bits`` over the packed tokens alone (what
     ``avg_stored_bits`` prices).
@@ -135,10 +138,10 @@ def whole_cache(policy: Any, tokens: int = CONTEXT,
             held = held_tokens(tokens, key.sinks, key.residual, _chunk(key, value), window)
         for t in pair:
             e = t.elements_per_token
-            fp_tokens = held.sinks + held.residual
             packed = held.packed * t.bytes_per_token(scale_bytes)
+            recent = held.residual * t.residual_bytes_per_token(scale_bytes)
             # A vq tensor's centroids: per layer, whatever the context.
-            total += packed + fp_tokens * e * _FP_BYTES + t.codebook_bytes()
+            total += packed + held.sinks * e * _FP_BYTES + recent + t.codebook_bytes()
             body += packed
             fp16 += held.total * e * _FP_BYTES
             elements += held.total * e

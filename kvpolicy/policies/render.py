@@ -54,7 +54,7 @@ def _row(label: str, t: Any) -> list[str]:
         "-" if t.full_precision or t.stored_meta_bits != 8 else t.fit,
         "-" if t.rotation == "none" else t.rotation,
         pre_rope,
-        str(t.residual),
+        str(t.residual) if t.residual_bits == 16 else f"{t.residual} at {t.residual_bits}b",
         str(t.sinks),
         "yes" if t.overridden else "-",
         t.contraction,

@@ -66,7 +66,10 @@ class TensorPolicy(Frozen):
     bits: StrictInt
     group_size: StrictInt = Field(gt=0)
     pre_rope: StrictBool  # keys cached before the rotation; RoPE re-applied after dequant
-    residual: StrictInt = Field(ge=0)  # most recent tokens kept in full precision
+    residual: StrictInt = Field(ge=0)  # most recent tokens kept out of the packed body
+    # How those recent tokens are held (runtime.recent): 16, full precision; 8 or 4, packed
+    # per token (a scale and a zero per token and kv head). Sinks stay at 16.
+    residual_bits: Literal[16, 8, 4] = 16
     sinks: StrictInt = Field(ge=0)  # first tokens kept in full precision
     head_dim: StrictInt = Field(gt=0)
     num_kv_heads: StrictInt = Field(default=1, gt=0)  # cached heads: elements = heads*head_dim
@@ -134,6 +137,9 @@ class TensorPolicy(Frozen):
                     "quantize before; drop pre_rope or restrict 'layers' to layers with RoPE"
                 )
             raise invalid("pre_rope", msg)
+        if self.residual_bits < FULL_PRECISION and self.full_precision:
+            raise invalid("residual_bits", "a full-precision tensor (bits 16) keeps every "
+                          "token at 16 bits; drop residual_bits or give bits below 16")
         if self.rotation != "none":
             if self.tensor is TensorKind.KEY:
                 raise invalid(
@@ -318,6 +324,13 @@ class TensorPolicy(Frozen):
         return self.elements_per_token * packed_bytes_per_element(
             self.bits, self.group_size, self.meta_bytes(scale_bytes), 1 if self.vq else 2
         )
+
+    def residual_bytes_per_token(self, scale_bytes: int = 2) -> float:
+        """Bytes one token in the residual window takes (``residual_bits``): 2 per element
+        at 16, else the codes and a scale and a zero per kv head."""
+        if self.residual_bits == FULL_PRECISION:
+            return 2.0 * self.elements_per_token
+        return self.num_kv_heads * (self.head_dim * self.residual_bits / 8 + 2 * scale_bytes)
 
     def stored_bits(self, scale_bytes: int = 2) -> float:
         """Stored bits per packed element: ``bits + 2 * 8 * meta_bytes / group_size`` (the

@@ -41,8 +41,8 @@ from .rules import (
 from .schema import GROUP_TABLES, Calibration
 
 _SETTABLE = (
-    "bits", "group_size", "axis", "pre_rope", "residual", "sinks", "rotation", "levels",
-    "meta_bits", "fit", "channel_widths",
+    "bits", "group_size", "axis", "pre_rope", "residual", "residual_bits", "sinks", "rotation",
+    "levels", "meta_bits", "fit", "channel_widths",
 )
 # The quantization levels (kernels.layout): "auto" is chosen per tensor by a budget's
 # calibration, and is uniform without one (rules.levels_at).
@@ -133,6 +133,9 @@ class Defaults(Frozen):
     budget_pages: Union[StrictInt, None] = Field(default=None, ge=16, multiple_of=16)
     group_size: GroupSetting = KVPOLICY_DEFAULTS["group_size"]
     residual: StrictInt = Field(default=KVPOLICY_DEFAULTS["residual"], ge=0)
+    # How the residual window's tokens are held (runtime.recent): 16, full precision; 8 or
+    # 4, packed per token. A full-precision tensor keeps 16.
+    residual_bits: Literal[16, 8, 4] = 16
     sinks: StrictInt = Field(default=KVPOLICY_DEFAULTS["sinks"], ge=0)
     # True means "pre-RoPE where RoPE exists": a layer without RoPE is not an error here.
     pre_rope: StrictBool = KVPOLICY_DEFAULTS["pre_rope"]
@@ -245,6 +248,7 @@ class OverrideRule(Frozen):
     axis: Axis | None = None
     pre_rope: StrictBool | None = None
     residual: StrictInt | None = Field(default=None, ge=0)
+    residual_bits: Literal[16, 8, 4] | None = None
     sinks: StrictInt | None = Field(default=None, ge=0)
     rotation: Literal["none", "hadamard", "auto"] | None = None
     levels: LevelsSetting | None = None

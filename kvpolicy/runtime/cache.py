@@ -251,5 +251,6 @@ def _packed_layer(
     return PackedKVLayer(
         k.quant_spec(), v.quant_spec(),
         residual=k.residual, sinks=k.sinks, backend=backend, pre_rope=k.pre_rope,
+        residual_bits=(k.residual_bits, v.residual_bits),
         dtype=storage_dtype((k.bits, v.bits), model_dtype), window=window,
     )

@@ -3,7 +3,8 @@
 A layer holds, per batch row and kv head, three segments of the token axis::
 
     [ sinks: first S tokens | packed: whole chunks, quantized | residual: recent tokens ]
-      full precision          key_spec / value_spec             full precision
+      full precision          key_spec / value_spec             residual_bits (16: full
+                                                                precision; runtime.recent)
 
 K and V share one segmentation. The residual overflows in chunks of
 ``lcm(key_spec.token_group, value_spec.token_group)`` tokens: a chunk is packed once the
@@ -51,7 +52,9 @@ from .checks import (
     data_checks,
 )
 from .growing import Growing
+from .memory import layer_memory
 from .positions import Positions, TokenPositions
+from .recent import Recent, recent_spec
 
 __all__ = ["PackedKVLayer"]
 
@@ -66,10 +69,6 @@ _ROWS = 256
 _QUANT_ELEMENTS = 1 << 20
 
 
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
 def _cat(a: torch.Tensor | None, b: torch.Tensor, dim: int) -> torch.Tensor:
     return b.clone() if a is None else torch.cat((a, b), dim=dim)
 
@@ -80,7 +79,9 @@ class PackedKVLayer:
     Args:
         key_spec, value_spec: how keys and values are packed (``bits == 16`` keeps them
             in full precision).
-        residual: R, recent tokens kept in full precision.
+        residual: R, recent tokens kept out of the packed body.
+        residual_bits: how the residual's tokens are held, for keys and values (an int:
+            both): 16, full precision; 8 or 4, packed per token (``runtime.recent``).
         sinks: S, first tokens kept in full precision.
         rope: if given, appended keys are *pre-RoPE* and are rotated at their stored
             positions inside :meth:`attend` (which can also be handed a newer table).
@@ -107,8 +108,13 @@ class PackedKVLayer:
         dtype: torch.dtype | None = None,
         pre_rope: bool | None = None,
         window: int | None = None,
+        residual_bits: int | tuple[int, int] = 16,
     ) -> None:
         check_layer_args(key_spec, value_spec, residual, sinks, backend, window, dtype)
+        rb = (residual_bits,) * 2 if isinstance(residual_bits, int) else tuple(residual_bits)
+        for b in rb:
+            recent_spec(b, 8)  # refuses an unsupported width here, not at the first append
+        self.residual_bits: tuple[int, int] = rb  # type: ignore[assignment]
         self.key_spec = key_spec
         self.value_spec = value_spec
         self.residual = residual
@@ -135,8 +141,8 @@ class PackedKVLayer:
         self._pv = (Growing(2), Growing(2), Growing(2))
         self._n_packed = 0
         self._packed_views: tuple[Packed, Packed] | None = None
-        self._res_k: torch.Tensor | None = None  # [B, Hkv, r, Dk]
-        self._res_v: torch.Tensor | None = None
+        self._res_k: Recent | None = None  # [B, Hkv, r, Dk]
+        self._res_v: Recent | None = None
         # Positions of pre-RoPE keys (only those), implicit where contiguous
         # (runtime.positions). NOTE: at 2 bits with SmolLM2 shapes a token costs ~150 bytes
         # per layer; int32 positions per token took the 8K compression of
@@ -173,7 +179,7 @@ class PackedKVLayer:
 
     @property
     def n_residual(self) -> int:
-        return 0 if self._res_k is None else self._res_k.shape[2]
+        return 0 if self._res_k is None else self._res_k.n
 
     @property
     def batch_size(self) -> int | None:
@@ -271,10 +277,13 @@ class PackedKVLayer:
             sink_v = _cat(sink_v, value[:, :, :take], 2)
         res_k, res_v = self._res_k, self._res_v
         if take < t:
-            res_k = _cat(res_k, key[:, :, take:], 2)
-            res_v = _cat(res_v, value[:, :, take:], 2)
+            new_k = Recent.of(key[:, :, take:], recent_spec(self.residual_bits[0], dk), quantize)
+            new_v = Recent.of(value[:, :, take:], recent_spec(self.residual_bits[1],
+                                                             value.shape[3]), quantize)
+            res_k = new_k if res_k is None else res_k.joined(new_k)
+            res_v = new_v if res_v is None else res_v.joined(new_v)
         pk, pv, n_packed = self._pk, self._pv, self._n_packed
-        r = 0 if res_k is None else res_k.shape[2]
+        r = 0 if res_k is None else res_k.n
         n_chunks = (r - self.residual) // self.chunk if r >= self.residual + self.chunk else 0
         if n_chunks:
             n = n_chunks * self.chunk
@@ -282,10 +291,11 @@ class PackedKVLayer:
             # to quantizing them one by one; blocks bound the fp32 temporaries of a long
             # prefill to a few _QUANT_ELEMENTS each.
             per = max(1, _QUANT_ELEMENTS // (b * h * max(dk, value.shape[3]) * self.chunk))
-            qk = quantize_in_blocks(quantize, res_k[:, :, :n], self.key_spec, store,
-                                  per * self.chunk)
-            qv = quantize_in_blocks(quantize, res_v[:, :, :n], self.value_spec, store,
-                                  per * self.chunk)
+            dequantize = self.kernels(key.device).dequantize
+            qk = quantize_in_blocks(quantize, res_k.tokens(0, n).values(dequantize), self.key_spec,
+                                    store, per * self.chunk)
+            qv = quantize_in_blocks(quantize, res_v.tokens(0, n).values(dequantize),
+                                    self.value_spec, store, per * self.chunk)
             # Full-precision specs have a 1-D empty scale/zero: those buffers stay empty (a
             # vq zero [B, H, n, 0] grows with the tokens, keeping its dtype and shape).
             pk = tuple(buf if x.dim() == 1 else buf.appended(x)
@@ -293,7 +303,7 @@ class PackedKVLayer:
             pv = tuple(buf if x.dim() == 1 else buf.appended(x)
                        for buf, x in zip(pv, qv, strict=True))
             n_packed += n
-            res_k, res_v = res_k[:, :, n:].contiguous(), res_v[:, :, n:].contiguous()
+            res_k, res_v = res_k.tokens(n).contiguous(), res_v.tokens(n).contiguous()
         new_pos = self._pos
         if self.pre_rope:
             assert pos is not None
@@ -345,7 +355,7 @@ class PackedKVLayer:
                        for buf in pv)
         res_k, res_v = self._res_k, self._res_v
         if d_r:  # a view: the next append's concatenation frees the dropped tokens
-            res_k, res_v = res_k[:, :, d_r:], res_v[:, :, d_r:]
+            res_k, res_v = res_k.tokens(d_r), res_v.tokens(d_r)
         n = d_s + d_p + d_r
         new_pos = self._pos.dropped(n) if self._pos.n else self._pos
         # commit
@@ -399,8 +409,9 @@ class PackedKVLayer:
             ks.append(dequantize(pk, self.key_spec, store))
             vs.append(dequantize(pv, self.value_spec, store))
         if self._res_k is not None:
-            ks.append(self._res_k.to(store))
-            vs.append(self._res_v.to(store))
+            dequantize = self.kernels(self._device).dequantize
+            ks.append(self._res_k.values(dequantize, store))
+            vs.append(self._res_v.values(dequantize, store))
         return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
     def _validate_query(
@@ -525,9 +536,14 @@ class PackedKVLayer:
         return True
 
     def _fp_segment(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Sinks and residual window as one full-precision segment ``(k, v)``."""
-        fk = [t for t in (self._sink_k, self._res_k) if t is not None and t.shape[2]]
-        fv = [t for t in (self._sink_v, self._res_v) if t is not None and t.shape[2]]
+        """Sinks and residual window as one full-precision segment ``(k, v)`` (a packed
+        residual dequantized)."""
+        res = (self._res_k, self._res_v)
+        if self._res_k is not None and self._res_k.n:
+            dequantize = self.kernels(self._device).dequantize
+            res = tuple(r.values(dequantize) for r in res)
+        fk = [t for t in (self._sink_k, res[0]) if t is not None and t.shape[2]]
+        fv = [t for t in (self._sink_v, res[1]) if t is not None and t.shape[2]]
         if not fk:
             return None, None
         if len(fk) == 1:
@@ -543,8 +559,9 @@ class PackedKVLayer:
         check_batch_index(batch_index, self._shape[0], data_checks(self._device, 1))
         idx = batch_index.to(self._device, torch.int64)
 
-        def sel(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.index_select(0, idx)
+        def sel(t: torch.Tensor | Recent | None) -> torch.Tensor | Recent | None:
+            return None if t is None else t.select(idx) if isinstance(t, Recent) else (
+                t.index_select(0, idx))
 
         self._sink_k, self._sink_v = sel(self._sink_k), sel(self._sink_v)
         self._res_k, self._res_v = sel(self._res_k), sel(self._res_v)
@@ -555,46 +572,6 @@ class PackedKVLayer:
         self._shape = (idx.numel(), *self._shape[1:])
 
     def memory_report(self) -> dict[str, Any]:
-        """Bytes actually held, by segment, and what a plain fp16 cache would take.
-
-        ``bytes`` counts everything the layer holds: codes, scales, zeros, vq centroids,
-        sinks, residual and positions (a few bytes per contiguous run, 4 per lone token).
-        ``spare_bytes`` is the allocated but unused capacity of growing buffers;
-        ``allocated_bytes`` is ``bytes + spare_bytes``. ``fp16_bytes`` is
-        ``2 * B * Hkv * seq_len * (Dk + Dv)`` (the tokens held; a sliding-window layer's
-        evicted tokens are counted in ``evicted_tokens``).
-        """
-        tokens = self.seq_len
-        sink = _nbytes(self._sink_k) + _nbytes(self._sink_v)
-        resid = _nbytes(self._res_k) + _nbytes(self._res_v)
-        codes = self._pk[0].nbytes + self._pv[0].nbytes
-        scales = self._pk[1].nbytes + self._pv[1].nbytes
-        zeros = self._pk[2].nbytes + self._pv[2].nbytes
-        pos = self._pos.nbytes
-        book = sum(s.codebook.nbytes for s in (self.key_spec, self.value_spec) if s.codebook)
-        total = sink + resid + codes + scales + zeros + pos + book
-        alloc = sink + resid + book + sum(b.allocated_bytes for b in (*self._pk, *self._pv))
-        alloc += pos + self._pos.spare_bytes
-        fp16 = 0
-        if self._shape is not None:
-            b, h, dk, dv = self._shape
-            fp16 = 2 * b * h * tokens * (dk + dv)
-        return {
-            "tokens": tokens,
-            "sink_tokens": self.n_sinks,
-            "packed_tokens": self._n_packed,
-            "residual_tokens": self.n_residual,
-            "evicted_tokens": self._evicted,
-            "window": self.window,
-            "bytes": total,
-            "sink_bytes": sink,
-            "residual_bytes": resid,
-            "code_bytes": codes,
-            "scale_bytes": scales,
-            "zero_bytes": zeros,
-            "position_bytes": pos,
-            "spare_bytes": alloc - total,
-            "allocated_bytes": alloc,
-            "fp16_bytes": fp16,
-            "compression": fp16 / total if total else float("nan"),
-        }
+        """Bytes actually held, by segment, and what a plain fp16 cache would take
+        (:func:`kvpolicy.runtime.memory.layer_memory` says what each entry counts)."""
+        return layer_memory(self)

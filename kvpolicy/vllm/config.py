@@ -78,3 +78,8 @@ def configure_engine(vllm_config: Any) -> None:
         log.warning("kvpolicy: the policy's residual window of %d tokens is served as the "
                     "incomplete key group (up to %d tokens) in full precision: vLLM's "
                     "fixed-size pages hold no per-sequence window", max(res), chunk - 1)
+    if any(t.residual_bits < 16 for t in served.policy.tensors):
+        log.warning("kvpolicy: residual_bits below 16 is not served: a page's incomplete "
+                    "key group (its stage) is held in full precision whatever the policy "
+                    "says, as the paged layout's bytes count it; residual_bits applies to "
+                    "kvpolicy.compile_model's own cache")

@@ -132,6 +132,25 @@ def test_a_body_budget_is_exceeded_over_the_whole_cache():
     assert whole.avg_stored_bits() < cal.avg_stored_bits()  # the body pays for the rest
 
 
+def test_a_packed_residual_gives_the_bytes_it_saves_to_the_body():
+    """``residual_bits: 8`` under a whole-cache budget: the residual costs half, the
+    allocator spends the difference on the packed body, and the compiled cache holds what
+    the budget counted."""
+    model = tiny_model("llama", max_position_embeddings=512)
+    plain = kvpolicy.derive_policy(
+        model, policy={"defaults": {"stored_bits": 4.0, "budget_context": TOKENS, **SMALL}},
+        calibration=_ids(1, 160), progress=False)
+    spec = {"defaults": {"stored_bits": 4.0, "budget_context": TOKENS, "residual_bits": 8,
+                         **SMALL}}
+    kvpolicy.compile_model(model, policy=spec, calibration=plain.calibration, progress=False)
+    packed = kvpolicy.inspect(model)
+    assert {t.residual_bits for t in packed.tensors} == {8}
+    a, b = whole_cache(plain, TOKENS), whole_cache(packed, TOKENS)
+    assert a.bits <= 4.0 and b.bits <= 4.0
+    assert b.body_bits > a.body_bits  # the body got what the residual gave up
+    assert b.bytes == pytest.approx(_held_bytes(model, TOKENS), rel=0.02)
+
+
 def test_a_whole_cache_budget_keeps_a_short_residual_unless_one_is_written():
     model = tiny_model("gemma3_text", max_position_embeddings=1024, sliding_window=512,
                        layer_types=["sliding_attention", "full_attention"])

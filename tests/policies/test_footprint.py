@@ -40,10 +40,11 @@ def _run(model, tokens: int):
     return cache.memory_report()
 
 
+@pytest.mark.parametrize("residual_bits", [16, 8])
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test_whole_cache_agrees_with_what_the_cache_holds(arch):
+def test_whole_cache_agrees_with_what_the_cache_holds(arch, residual_bits):
     model = tiny_model(arch, max_position_embeddings=512)
-    spec = {"defaults": {"bits": 2, "residual": 32, "sinks": 4}}
+    spec = {"defaults": {"bits": 2, "residual": 32, "sinks": 4, "residual_bits": residual_bits}}
     kvpolicy.compile_model(model, policy=spec, progress=False)
     policy = kvpolicy.inspect(model)
     n_layers = len(policy.tensors) // 2
@@ -55,6 +56,11 @@ def test_whole_cache_agrees_with_what_the_cache_holds(arch):
     fp = whole_cache(policy, tokens, windows)
     assert fp.bytes == pytest.approx(held, rel=0.02)
     assert fp.fp16_bytes == report["fp16_bytes"]
+    # The residual's bytes at its width: codes, and a scale and a zero per token and head.
+    d, h = policy.tensors[0].head_dim, policy.tensors[0].num_kv_heads
+    per_token = 2 * d if residual_bits == 16 else d + 4
+    assert sum(r["residual_bytes"] for r in report["layers"]) == sum(
+        r["residual_tokens"] * 2 * h * per_token for r in report["layers"])  # K and V
     # The policy carries the windows: the whole-cache figure inspect prints uses them.
     assert policy.windows == (tuple(windows) if any(windows) else ())
     assert whole_cache(policy, tokens).bytes == fp.bytes

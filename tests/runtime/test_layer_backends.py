@@ -39,3 +39,25 @@ def test_triton_backend_matches_torch_backend(tq: int) -> None:
     for a, b in zip(layers["torch"]._pk, layers["triton"]._pk, strict=True):
         assert torch.equal(a.view().cpu(), b.view().cpu()), "packed codes differ"
     torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_packed_residual_reads_alike_on_both_backends(bits: int) -> None:
+    """``residual_bits`` below 16: each backend quantizes the recent tokens with its own
+    kernel, bit-identically, and attends over them dequantized."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ks, vs = QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token")
+    g = torch.Generator().manual_seed(bits)
+    k, v = torch.randn(2, 1, 2, 75, 32, generator=g).unbind(0)
+    q = torch.randn(1, 4, 1, 32, generator=g)
+    layers, out = {}, {}
+    for name in ("torch", "triton"):
+        dev = "cpu" if name == "torch" else device
+        layers[name] = PackedKVLayer(ks, vs, residual=8, sinks=2, backend=name,
+                                     residual_bits=bits, dtype=torch.float16)
+        layers[name].append(k.to(dev), v.to(dev))
+        out[name] = layers[name].attend(q.to(dev)).cpu()
+    assert layers["torch"].n_residual == 9
+    for a, b in zip(layers["torch"]._res_v.data, layers["triton"]._res_v.data, strict=True):
+        assert torch.equal(a, b.cpu()), "packed residual differs"
+    torch.testing.assert_close(out["triton"], out["torch"], atol=1e-3, rtol=1e-3)
