@@ -4,8 +4,10 @@ A Gemma3-style tiny model (random weights: bytes and time do not depend on them)
 layers, five sliding-window layers (window 512) per global one, one KV head, head_dim
 256. It reads ``--tokens`` tokens (a prefill, then ``--decode`` single-token steps) with
 kvpolicy's ``bits=2`` default (a local layer's residual is the share of its window that
-128 is of 4,096 tokens: 16), with ``residual: 128`` on every layer (the default before),
-and with transformers' own cache. Printed side by side from one run: the whole cache's bytes
+128 is of 4,096 tokens: 16), the same with ``residual_bits: 8`` (the residual window and
+incomplete chunk packed per token, runtime.recent), with ``residual: 128`` on every layer
+(the default before), and with transformers' own cache. Printed side by side from one run:
+the whole cache's bytes
 (``memory_report()``: codes, scales, zeros, sinks, residual, positions, RoPE rows) against
 fp16, what ``inspect``'s whole-cache line predicted, and the median decode step.
 
@@ -64,6 +66,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     print(f"| transformers (fp32) | - | - | - | {fp_ms:.2f} | 1.00 |")
     for label, spec in (("kvpolicy bits=2", None),
+                        ("bits=2, residual_bits 8",
+                         {"defaults": {"bits": 2, "residual_bits": 8}}),
                         ("bits=2, residual 128 everywhere",
                          {"defaults": {"bits": 2, "residual": 128}})):
         model = copy.deepcopy(base)

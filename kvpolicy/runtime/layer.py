@@ -277,9 +277,9 @@ class PackedKVLayer:
             sink_v = _cat(sink_v, value[:, :, :take], 2)
         res_k, res_v = self._res_k, self._res_v
         if take < t:
-            new_k = Recent.of(key[:, :, take:], recent_spec(self.residual_bits[0], dk), quantize)
-            new_v = Recent.of(value[:, :, take:], recent_spec(self.residual_bits[1],
-                                                             value.shape[3]), quantize)
+            new_k, new_v = Recent.pair(
+                key[:, :, take:], value[:, :, take:], recent_spec(self.residual_bits[0], dk),
+                recent_spec(self.residual_bits[1], value.shape[3]), quantize)
             res_k = new_k if res_k is None else res_k.joined(new_k)
             res_v = new_v if res_v is None else res_v.joined(new_v)
         pk, pv, n_packed = self._pk, self._pv, self._n_packed

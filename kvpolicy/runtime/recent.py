@@ -62,6 +62,22 @@ class Recent:
             return cls(x.clone())
         return cls(Packed(*quantize(x, spec, x.dtype)), spec)
 
+    @classmethod
+    def pair(cls, key: torch.Tensor, value: torch.Tensor, key_spec: QuantSpec | None,
+             value_spec: QuantSpec | None, quantize: Callable[..., Packed]
+             ) -> tuple[Recent, Recent]:
+        """``(Recent.of(key, ...), Recent.of(value, ...))``, in one ``quantize`` call where
+        both are packed alike: a token's group does not depend on its neighbours, so the
+        codes are the same, and a decode step pays one call (~50 us on CPU) instead of
+        two."""
+        if (key_spec is None or key_spec != value_spec or key.shape != value.shape
+                or key.dtype != value.dtype):
+            return cls.of(key, key_spec, quantize), cls.of(value, value_spec, quantize)
+        b = key.shape[0]
+        both = quantize(torch.cat((key, value), dim=0), key_spec, key.dtype)
+        return (cls(Packed(*(t[:b] for t in both)), key_spec),
+                cls(Packed(*(t[b:] for t in both)), value_spec))
+
     def _fields(self) -> tuple[torch.Tensor, ...]:
         return (self.data,) if self.spec is None else tuple(self.data)
 
