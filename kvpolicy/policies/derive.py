@@ -451,21 +451,41 @@ LOCAL_REFERENCE = 4096
 WHOLE_CACHE_RESIDUAL = 32
 
 
+# ... and holds that window at WHOLE_CACHE_RESIDUAL_BITS per token (runtime.recent), so the
+# bytes it saves go to the packed body. NOTE: bench/whole_cache_budget.py at cb382bb (as
+# above): 2.0 whole-cache bits, residual 32 at 8 bits against 16, perplexity 1.050 against
+# 1.079x fp, KL 0.035 against 0.048, top-1 0.908 against 0.895, retrieval 0.952 against
+# 0.913x (body 1.82 against 1.72 stored bits); /tmp script, bits=2 (residual 128): 8 bits
+# cost 1.0260 against 1.0239x fp perplexity, KL 0.0133 against 0.0125.
+WHOLE_CACHE_RESIDUAL_BITS = 8
+
+
 def whole_cache_residuals(policy: ModelPolicy, spec: PolicySpec) -> ModelPolicy:
     """``policy`` with each residual window cut to :data:`WHOLE_CACHE_RESIDUAL` (never
-    raised) when ``spec`` budgets the whole cache (``budget_context``) and writes no
-    residual (the defaults or any rule), its reason saying so."""
-    if spec.defaults.budget_context is None or _writes_residual(spec):
+    raised) and held at :data:`WHOLE_CACHE_RESIDUAL_BITS` when ``spec`` budgets the whole
+    cache (``budget_context``) and writes no residual (resp. no ``residual_bits``; the
+    defaults or any rule), each reason saying so."""
+    if spec.defaults.budget_context is None:
         return policy
-    return policy.model_copy(update={"tensors": _cut_residuals(
-        policy, lambda i, t: WHOLE_CACHE_RESIDUAL,
-        lambda i, t: "a whole-cache budget pays every full-precision token, and fewer of "
-                     "them leave the packed tokens more bits")})
+    tensors = policy.tensors
+    if not _writes(spec, "residual"):
+        tensors = _cut_residuals(
+            policy, lambda i, t: WHOLE_CACHE_RESIDUAL,
+            lambda i, t: "a whole-cache budget pays every full-precision token, and fewer of "
+                         "them leave the packed tokens more bits")
+    if not _writes(spec, "residual_bits"):
+        rb = WHOLE_CACHE_RESIDUAL_BITS
+        tensors = tuple(t if t.full_precision or t.residual_bits <= rb else t.model_copy(
+            update={"residual_bits": rb, "reason": (
+                f"{t.reason}; the residual window held at {rb} bits per token, not 16: a "
+                "whole-cache budget pays for it, and the bytes saved go to the packed "
+                "tokens")}) for t in tensors)
+    return policy.model_copy(update={"tensors": tensors})
 
 
-def _writes_residual(spec: PolicySpec) -> bool:
-    return ("residual" in spec.defaults.model_fields_set
-            or any(r.residual is not None for r in spec.overrides))
+def _writes(spec: PolicySpec, field: str) -> bool:
+    return (field in spec.defaults.model_fields_set
+            or any(getattr(r, field) is not None for r in spec.overrides))
 
 
 def _cut_residuals(policy: ModelPolicy, limit: Callable[[int, TensorPolicy], int],
@@ -500,7 +520,7 @@ def local_residuals(policy: ModelPolicy, spec: PolicySpec,
                 f"it keeps the share of it in full precision that {t.residual} is of "
                 f"{LOCAL_REFERENCE:,} tokens in a global layer")
 
-    tensors = policy.tensors if _writes_residual(spec) else _cut_residuals(policy, share, why)
+    tensors = policy.tensors if _writes(spec, "residual") else _cut_residuals(policy, share, why)
     return policy.model_copy(update={"tensors": tensors, "windows": record})
 
 

@@ -142,7 +142,8 @@ _SETTINGS: dict[str, FieldDoc] = {
         "with a scale and a zero in the cache dtype (8.5 bits per element at 8 bits and "
         "head_dim 64). The whole-cache accounting (`budget_context`, `inspect`, "
         "`memory_report()`) counts them at this width, so a whole-cache budget gives the "
-        "bytes saved to the packed body. Sinks stay at 16; a full-precision tensor keeps 16. "
+        "bytes saved to the packed body; left out under a whole-cache budget, it is 8. "
+        "Sinks stay at 16; a full-precision tensor keeps 16. "
         "vLLM serves the residual as its pages' full-precision stage whatever this says.",
         8,
     ),

@@ -134,7 +134,8 @@ class Defaults(Frozen):
     group_size: GroupSetting = KVPOLICY_DEFAULTS["group_size"]
     residual: StrictInt = Field(default=KVPOLICY_DEFAULTS["residual"], ge=0)
     # How the residual window's tokens are held (runtime.recent): 16, full precision; 8 or
-    # 4, packed per token. A full-precision tensor keeps 16.
+    # 4, packed per token. A full-precision tensor keeps 16. Left out under a whole-cache
+    # budget (budget_context): 8 (policies.derive.whole_cache_residuals).
     residual_bits: Literal[16, 8, 4] = 16
     sinks: StrictInt = Field(default=KVPOLICY_DEFAULTS["sinks"], ge=0)
     # True means "pre-RoPE where RoPE exists": a layer without RoPE is not an error here.

@@ -133,18 +133,21 @@ def test_a_body_budget_is_exceeded_over_the_whole_cache():
 
 
 def test_a_packed_residual_gives_the_bytes_it_saves_to_the_body():
-    """``residual_bits: 8`` under a whole-cache budget: the residual costs half, the
-    allocator spends the difference on the packed body, and the compiled cache holds what
-    the budget counted."""
+    """A whole-cache budget holds its residual at 8 bits unless ``residual_bits`` is
+    written: the residual costs half, the allocator spends the difference on the packed
+    body, and the compiled cache holds what the budget counted."""
     model = tiny_model("llama", max_position_embeddings=512)
     plain = kvpolicy.derive_policy(
-        model, policy={"defaults": {"stored_bits": 4.0, "budget_context": TOKENS, **SMALL}},
+        model, policy={"defaults": {"stored_bits": 4.0, "budget_context": TOKENS,
+                                    "residual_bits": 16, **SMALL}},
         calibration=_ids(1, 160), progress=False)
-    spec = {"defaults": {"stored_bits": 4.0, "budget_context": TOKENS, "residual_bits": 8,
-                         **SMALL}}
+    assert {t.residual_bits for t in plain.tensors} == {16}
+    spec = {"defaults": {"stored_bits": 4.0, "budget_context": TOKENS, **SMALL}}
     kvpolicy.compile_model(model, policy=spec, calibration=plain.calibration, progress=False)
     packed = kvpolicy.inspect(model)
     assert {t.residual_bits for t in packed.tensors} == {8}
+    assert "the residual window held at 8 bits per token, not 16: a whole-cache budget" \
+        in packed.get(0, "value").reason
     a, b = whole_cache(plain, TOKENS), whole_cache(packed, TOKENS)
     assert a.bits <= 4.0 and b.bits <= 4.0
     assert b.body_bits > a.body_bits  # the body got what the residual gave up
