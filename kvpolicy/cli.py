@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--quick", action="store_true",
                     help="a tiny random model and short text: a smoke test in seconds")
     ev.add_argument("--no-peers", action="store_true", help="skip the quanto peer runs")
+    ev.add_argument("--no-ablations", action="store_true",
+                    help="skip the ablations but the uniform widths, and the code-bit budgets: "
+                    "the derived policy, the stored-bits and whole-cache budgets and the peers")
     ev.set_defaults(run=_cmd_eval)
 
     presets = commands.add_parser("presets", help="list the shipped policy presets")
@@ -220,6 +223,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         peers=not args.no_peers, retrieval=args.retrieval, passages=args.passages,
         text_file=args.text,
         stored_budgets=args.stored_bits, whole_budgets=args.whole_cache,
+        ablate=not args.no_ablations,
     )
     print(report.to_markdown().rstrip("\n"))
     print(f"\nwritten to {args.out}/ (report.md, report.json, plots)")

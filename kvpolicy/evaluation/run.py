@@ -153,6 +153,7 @@ def evaluate(
     progress: bool = True,
     stored_budgets: Sequence[float] = STORED_BUDGETS,
     whole_budgets: Sequence[float] = WHOLE_BUDGETS,
+    ablate: bool = True,
 ) -> EvalReport:
     """Run the full comparison; see the module docstring.
 
@@ -179,6 +180,10 @@ def evaluate(
         whole_budgets: stored-bits budgets over the whole cache at ``CONTEXT`` tokens (rows
             ``"whole-cache budget B"``, one more calibration; empty skips them). A budget
             the allocator refuses is a note, not a row.
+        ablate: False skips every ablation but the uniform widths (the frontier's
+            reference points) and the code-bit budgets with their currency row: the
+            frontier of the derived policy, the stored-bits and whole-cache budgets and the
+            peers, in a fraction of the time.
 
     Raises:
         KVPolicyError: ``context + steps`` or ``2 * retrieval`` exceeds the model's positions,
@@ -280,6 +285,8 @@ def evaluate(
     derived = run_policy("derived policy", "headline", user, retrieve=True)
     seen = {json.dumps(user, sort_keys=True): derived}
     for name, group, extra in ablations(bits):
+        if not ablate and group != "bits":
+            continue
         spec = _merge(user, extra)
         key = json.dumps(spec, sort_keys=True)
         if key in seen or _same_as(spec, user):
@@ -288,24 +295,13 @@ def evaluate(
             continue
         seen[key] = run_policy(name, group, spec, retrieve=name in RETRIEVAL_ABLATIONS)
 
-    frontier, budget_specs, cal = _frontier_calibration(load, user, cal_input, notes, progress)
-    retrieval_budget = f"budget {RETRIEVAL_BUDGET:g}"
-    for name, spec in budget_specs:
-        key = json.dumps(spec, sort_keys=True)
-        if key in seen:  # the user's own budget: the derived policy's run
-            same = seen[key]
-            runs.append(replace(same, name=name, group="budget", settings=same.settings))
-            if name == retrieval_budget and same.name in retrieved:
-                retrieved[name] = replace(retrieved[same.name], name=name)
-            continue
-        seen[key] = run_policy(name, "budget", spec, calibration=cal,
-                               retrieve=name == retrieval_budget)
-    # The middle budget once more, allocated from the plain relative output error: what the
-    # loss weighting of the default currency buys.
-    mid_name, mid_spec = budget_specs[len(budget_specs) // 2]
-    relative = _relative_calibration(load, mid_spec, cal, cal_input, progress)
-    run_policy(f"{mid_name}, relative-error currency", "currency", mid_spec,
-               calibration=relative)
+    frontier: dict[str, Any] = {}
+    if ablate:
+        frontier = _budget_rows(run_policy, runs, seen, retrieved, load, user, cal_input, notes,
+                                progress)
+    else:
+        notes.append("ablations (other than the uniform widths) and the code-bit budgets "
+                     "skipped (--no-ablations)")
     if stored_budgets:  # widths and groups under stored bits, from one more calibration
         specs = stored_specs(user, stored_budgets, QUICK_STORED_GROUPS if quick else None)
         frontier["stored"], stored_cal = stored_calibration(load, specs, cal_input, notes,
@@ -345,6 +341,31 @@ def evaluate(
     if out is not None:
         write_report(report, Path(out))
     return report
+
+
+def _budget_rows(run_policy, runs, seen, retrieved, load, user, cal_input, notes,
+                 progress) -> dict[str, Any]:
+    """The code-bit budget rows of FRONTIER_BUDGETS (one calibration) and the middle one's
+    relative-error currency row; returns the frontier record."""
+    frontier, budget_specs, cal = _frontier_calibration(load, user, cal_input, notes, progress)
+    retrieval_budget = f"budget {RETRIEVAL_BUDGET:g}"
+    for name, spec in budget_specs:
+        key = json.dumps(spec, sort_keys=True)
+        if key in seen:  # the user's own budget: the derived policy's run
+            same = seen[key]
+            runs.append(replace(same, name=name, group="budget", settings=same.settings))
+            if name == retrieval_budget and same.name in retrieved:
+                retrieved[name] = replace(retrieved[same.name], name=name)
+            continue
+        seen[key] = run_policy(name, "budget", spec, calibration=cal,
+                               retrieve=name == retrieval_budget)
+    # The middle budget once more, allocated from the plain relative output error: what the
+    # loss weighting of the default currency buys.
+    mid_name, mid_spec = budget_specs[len(budget_specs) // 2]
+    relative = _relative_calibration(load, mid_spec, cal, cal_input, progress)
+    run_policy(f"{mid_name}, relative-error currency", "currency", mid_spec,
+               calibration=relative)
+    return frontier
 
 
 def _frontier_calibration(

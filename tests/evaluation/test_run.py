@@ -291,3 +291,21 @@ def test_the_policy_under_test_keeps_what_nobody_wrote_unwritten():
     tensors = kvpolicy.derive_policy(tiny_model("llama"), policy=kivi, progress=False).tensors
     assert {(t.group_size, t.meta_bits) for t in tensors} == {(32, 16)}
     assert run._spec_dict({"defaults": {"group_size": 32}}, 2)["defaults"]["group_size"] == 32
+
+
+def test_no_ablations_keeps_the_frontier_and_drops_the_rest(tmp_path, capsys):
+    """``kvpolicy eval --quick --no-ablations``: the derived policy, the uniform widths and
+    the whole-cache budgets, without the other ablations or the code-bit budgets."""
+    from kvpolicy import cli
+
+    code = cli.main(["eval", "--quick", "--no-peers", "--no-ablations", "--stored-bits",
+                     "--whole-cache", "4.0", "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "report.json").read_text())
+    groups = {r["group"] for r in data["runs"]}
+    assert groups == {"headline", "bits", "whole"}
+    assert [r["name"] for r in data["runs"] if r["group"] == "bits"] == [
+        "2 bits", "3 bits", "4 bits"]
+    assert any("skipped (--no-ablations)" in n for n in data["notes"])
+    assert (tmp_path / "frontier.png").stat().st_size > 0
+    assert "whole-cache budget 4" in capsys.readouterr().out
