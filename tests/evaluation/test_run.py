@@ -298,8 +298,8 @@ def test_no_ablations_keeps_the_frontier_and_drops_the_rest(tmp_path, capsys):
     the whole-cache budgets, without the other ablations or the code-bit budgets."""
     from kvpolicy import cli
 
-    code = cli.main(["eval", "--quick", "--no-peers", "--no-ablations", "--stored-bits",
-                     "--whole-cache", "4.0", "--out", str(tmp_path)])
+    code = cli.main(["eval", "--quick", "--no-peers", "--no-ablations", "--retrieval", "0",
+                     "--stored-bits", "--whole-cache", "4.0", "--out", str(tmp_path)])
     assert code == 0
     data = json.loads((tmp_path / "report.json").read_text())
     groups = {r["group"] for r in data["runs"]}
