@@ -442,37 +442,38 @@ LOCAL_REFERENCE = 4096
 
 
 # Under a whole-cache budget (defaults.budget_context) every full-precision token is paid
-# from the budget, so the default residual window is WHOLE_CACHE_RESIDUAL, not 128. NOTE:
-# bench/whole_cache_budget.py at ef2a7a5, SmolLM2, 4 x (768 + 128) pydoc tokens, retrieval
-# on 2 x 1,024: residual 32 against 128 at 3.0 / 2.5 / 2.0 whole-cache bits, perplexity
-# 1.016 / 1.038 / 1.140x fp against 1.020 / 1.066 / 2.912x, KL 0.011 / 0.029 / 0.123 against
-# 0.016 / 0.064 / 0.950, retrieval 0.989 / 0.971 / 0.692x against 0.969 / 0.850 / 0.365x
-# (top-1 agreement 0.939 against 0.959 at 3.0, better at the others).
-WHOLE_CACHE_RESIDUAL = 32
+# from the budget, so the default residual window is WHOLE_CACHE_RESIDUAL[residual_bits],
+# not 128. NOTE: bench/whole_cache_budget.py at ef2a7a5, SmolLM2, 4 x (768 + 128) pydoc
+# tokens, retrieval on 2 x 1,024: at 16 bits, residual 32 against 128 at 3.0 / 2.5 / 2.0
+# whole-cache bits, perplexity 1.016 / 1.038 / 1.140x fp against 1.020 / 1.066 / 2.912x, KL
+# 0.011 / 0.029 / 0.123 against 0.016 / 0.064 / 0.950, retrieval 0.989 / 0.971 / 0.692x
+# against 0.969 / 0.850 / 0.365x (top-1 agreement 0.939 against 0.959 at 3.0, better at the
+# others). At 8 bits (the same bench at cb382bb, with vq values priced), residual 32 / 64 /
+# 128 at 2.0 whole-cache bits: perplexity 1.050 / 1.041 / 1.070x fp, KL 0.035 / 0.029 /
+# 0.038, top-1 0.908 / 0.922 / 0.918, retrieval 0.952 / 0.942 / 0.858x; at 1.5 (32 / 64;
+# 128 did not fit): 1.54 / 1.33x, KL 0.34 / 0.24, top-1 0.777 / 0.795, retrieval 0.493 /
+# 0.497x. 64 at 8 bits costs the bytes of 32 at 16.
+WHOLE_CACHE_RESIDUAL: dict[int, int] = {16: 32, 8: 64, 4: 64}
 
 
 # ... and holds that window at WHOLE_CACHE_RESIDUAL_BITS per token (runtime.recent), so the
-# bytes it saves go to the packed body. NOTE: bench/whole_cache_budget.py at cb382bb (as
-# above): 2.0 whole-cache bits, residual 32 at 8 bits against 16, perplexity 1.050 against
-# 1.079x fp, KL 0.035 against 0.048, top-1 0.908 against 0.895, retrieval 0.952 against
-# 0.913x (body 1.82 against 1.72 stored bits); /tmp script, bits=2 (residual 128): 8 bits
-# cost 1.0260 against 1.0239x fp perplexity, KL 0.0133 against 0.0125.
+# bytes it saves go to the packed body. NOTE: the same bench at cb382bb, 2.0 whole-cache
+# bits, residual 32 at 8 bits against 16: perplexity 1.050 against 1.079x fp, KL 0.035
+# against 0.048, top-1 0.908 against 0.895, retrieval 0.952 against 0.913x (body 1.82
+# against 1.72 stored bits); a /tmp script, bits=2 (residual 128): 8 bits cost 1.0260
+# against 1.0239x fp perplexity, KL 0.0133 against 0.0125.
 WHOLE_CACHE_RESIDUAL_BITS = 8
 
 
 def whole_cache_residuals(policy: ModelPolicy, spec: PolicySpec) -> ModelPolicy:
-    """``policy`` with each residual window cut to :data:`WHOLE_CACHE_RESIDUAL` (never
-    raised) and held at :data:`WHOLE_CACHE_RESIDUAL_BITS` when ``spec`` budgets the whole
-    cache (``budget_context``) and writes no residual (resp. no ``residual_bits``; the
-    defaults or any rule), each reason saying so."""
+    """When ``spec`` budgets the whole cache (``budget_context``), ``policy`` with each
+    residual window held at :data:`WHOLE_CACHE_RESIDUAL_BITS` unless ``residual_bits`` is
+    written, then cut (never raised) to :data:`WHOLE_CACHE_RESIDUAL` at its layer's widest
+    residual width unless ``residual`` is written (the defaults or any rule); each reason
+    says so."""
     if spec.defaults.budget_context is None:
         return policy
     tensors = policy.tensors
-    if not _writes(spec, "residual"):
-        tensors = _cut_residuals(
-            policy, lambda i, t: WHOLE_CACHE_RESIDUAL,
-            lambda i, t: "a whole-cache budget pays every full-precision token, and fewer of "
-                         "them leave the packed tokens more bits")
     if not _writes(spec, "residual_bits"):
         rb = WHOLE_CACHE_RESIDUAL_BITS
         tensors = tuple(t if t.full_precision or t.residual_bits <= rb else t.model_copy(
@@ -480,6 +481,14 @@ def whole_cache_residuals(policy: ModelPolicy, spec: PolicySpec) -> ModelPolicy:
                 f"{t.reason}; the residual window held at {rb} bits per token, not 16: a "
                 "whole-cache budget pays for it, and the bytes saved go to the packed "
                 "tokens")}) for t in tensors)
+        policy = policy.model_copy(update={"tensors": tensors})
+    if not _writes(spec, "residual"):
+        widest = {t.layer: max(u.residual_bits for u in tensors if u.layer == t.layer)
+                  for t in tensors}
+        tensors = _cut_residuals(
+            policy, lambda i, t: WHOLE_CACHE_RESIDUAL[widest[t.layer]],
+            lambda i, t: "a whole-cache budget pays every token kept out of the packed body, "
+                         "and fewer of them leave the packed tokens more bits")
     return policy.model_copy(update={"tensors": tensors})
 
 

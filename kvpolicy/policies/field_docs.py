@@ -133,7 +133,8 @@ _SETTINGS: dict[str, FieldDoc] = {
         "Left out, a local (sliding-window) layer keeps `residual × window / 4096` of "
         "them (16 of a 512-token window): it holds about a window of tokens, where a "
         "global layer spreads its residual over the whole context. Left out under a "
-        "whole-cache budget (`budget_context`), it is 32.",
+        "whole-cache budget (`budget_context`), it is 64 held at 8 bits (`residual_bits`), "
+        "32 at 16: the same bytes.",
         128,
     ),
     "residual_bits": FieldDoc(

@@ -162,9 +162,16 @@ def test_a_whole_cache_budget_keeps_a_short_residual_unless_one_is_written():
         model, policy={"defaults": {"stored_bits": 4.0, "budget_context": TOKENS, "sinks": 2}},
         calibration=cal, progress=False)
     assert whole.windows == (512, None)
-    # 32 in the global layer, and the local layer's share of its window: 32 * 512 // 4096
-    assert [t.residual for t in whole.tensors] == [4, 4, 32, 32]
-    assert "a whole-cache budget pays every full-precision token" in whole.get(1, "key").reason
+    # 64 in the global layer (held at 8 bits, the bytes of 32 at 16), and the local layer's
+    # share of its window: 64 * 512 // 4096
+    assert [t.residual for t in whole.tensors] == [8, 8, 64, 64]
+    assert "a whole-cache budget pays every token kept out of the packed body" \
+        in whole.get(1, "key").reason
+    at16 = kvpolicy.derive_policy(
+        model, policy={"defaults": {"stored_bits": 4.0, "budget_context": TOKENS, "sinks": 2,
+                                    "residual_bits": 16}},
+        calibration=cal, progress=False)
+    assert [t.residual for t in at16.tensors] == [4, 4, 32, 32]
     written = kvpolicy.derive_policy(
         model, policy={"defaults": {"stored_bits": 4.0, "budget_context": TOKENS, "sinks": 2,
                                     "residual": 16}},
