@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                     default=list(WHOLE_BUDGETS),
                     help="stored-bits budgets over the whole cache at "
                     f"{CONTEXT:,} tokens (budget_context: sinks, residual and incomplete chunk "
-                    "counted in full precision; one more calibration for all); default: "
+                    "counted, the residual at 8 bits; one more calibration for all); default: "
                     + " ".join(f"{b:g}" for b in WHOLE_BUDGETS)
                     + "; --whole-cache with no value skips them")
     ev.add_argument("--out", metavar="DIR", default="eval-out", help="output folder")

@@ -10,8 +10,9 @@ every candidate group) serves them all, as the code-bits budgets share theirs.
 
 The whole-cache rows (``--whole-cache``) are the same with ``budget_context`` set: the
 budget counts everything a layer holds after ``policies.footprint.CONTEXT`` tokens, the
-full-precision sinks, residual window and incomplete chunk included, and they share a
-calibration of their own (the residual they keep differs).
+sinks, residual window and incomplete chunk included (the window held at 8 bits per token
+unless the policy says otherwise, ``policies.derive.whole_cache_residuals``), and they share
+a calibration of their own (the residual they keep differs).
 """
 
 from __future__ import annotations
