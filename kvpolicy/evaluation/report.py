@@ -185,10 +185,11 @@ class EvalReport:
             "", "## Frontier: perplexity vs compression", "",
             "Steady state: bytes per token of the quantized body over all layers (codes plus "
             "per-group scales and zeros, in the dtype each cache stores them in; the "
-            "full-precision sink and residual windows not counted). Whole cache: stored bits "
-            f"per element of everything held after {CONTEXT:,} tokens, the sinks, residual "
-            "window and incomplete chunk in full precision included (quanto: its residual "
-            "window counted full). Measured: the whole cache held at the end of this eval.",
+            "sink and residual windows not counted). Whole cache: stored bits per element of "
+            f"everything held after {CONTEXT:,} tokens, the sinks (full precision), residual "
+            "window and incomplete chunk (at the policy's residual_bits) included (quanto: "
+            "its residual window counted full). Measured: the whole cache held at the end of "
+            "this eval.",
             "",
             "| run | avg code bits | bytes/token | stored bits | whole-cache bits | × smaller "
             "than fp16 (steady state) | × smaller, measured at the end | perplexity | × fp | "

@@ -62,6 +62,17 @@ def _row(label: str, t: Any) -> list[str]:
     ]
 
 
+def _residual_width(policy: Any) -> str:
+    """How the residual windows are held, in words: "in full precision", "at 8 bits per
+    token" or, where layers differ, "at 16 or 8 bits"."""
+    widths = sorted({t.residual_bits for t in policy.tensors}, reverse=True)
+    if widths == [16]:
+        return "in full precision"
+    if len(widths) == 1:
+        return f"at {widths[0]} bits per token"
+    return "at " + " or ".join(map(str, widths)) + " bits"
+
+
 def render_table(policy: Any, *, reasons: bool = True) -> str:
     """An aligned table of a ``ModelPolicy``, one row per tensor. Consecutive layers whose
     key and value policies are identical in every field but ``layer`` share one row pair
@@ -135,9 +146,9 @@ def _footer(policy: Any) -> str:
     local = " (local layers at their window)" if any(w is not None for w in policy.windows) else ""
     return (
         f"{text}; {packed:,.0f} bytes per packed token vs {fp16:,} in fp16 "
-        f"({fp16 / packed:.2f}x smaller; scales and zeros counted, the full-precision "
-        "sink and residual windows not)\n"
+        f"({fp16 / packed:.2f}x smaller; scales and zeros counted, the sink and residual "
+        "windows not)\n"
         f"whole cache at {whole.tokens:,} tokens{local}: {whole.bits:.2f} stored bits per "
-        f"element, {whole.compression:.2f}x smaller than fp16 (sinks, residual and "
-        "incomplete chunks in full precision included)"
+        f"element, {whole.compression:.2f}x smaller than fp16 (sinks in full precision, "
+        f"residual and incomplete chunks {_residual_width(policy)}, included)"
     )

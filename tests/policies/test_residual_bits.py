@@ -23,10 +23,12 @@ def test_the_defaults_set_it_and_a_full_precision_tensor_keeps_16():
     assert "the 128 recent tokens held at 8 bits per token" in pol.get(1, "key").reason
     assert "held at" not in pol.get(0, "value").reason
     assert "128 at 8b" in str(pol)
+    assert "residual and incomplete chunks at 16 or 8 bits, included" in str(pol)
     # Left out, the residual stays in full precision (the cache is then exact there).
     plain = kvpolicy.derive_policy(model, bits=2, progress=False)
     assert {t.residual_bits for t in plain.tensors} == {16}
     assert "at 8b" not in str(plain)
+    assert "residual and incomplete chunks in full precision, included" in str(plain)
 
 
 def test_a_rule_sets_it_per_tensor_and_the_cache_follows():
