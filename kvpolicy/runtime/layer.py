@@ -54,7 +54,7 @@ from .checks import (
 from .growing import Growing
 from .memory import layer_memory
 from .positions import Positions, TokenPositions
-from .recent import Recent, recent_spec
+from .recent import Recent, check_residual_bits, recent_spec
 
 __all__ = ["PackedKVLayer"]
 
@@ -113,7 +113,7 @@ class PackedKVLayer:
         check_layer_args(key_spec, value_spec, residual, sinks, backend, window, dtype)
         rb = (residual_bits,) * 2 if isinstance(residual_bits, int) else tuple(residual_bits)
         for b in rb:
-            recent_spec(b, 8)  # refuses an unsupported width here, not at the first append
+            check_residual_bits(b)  # here, not at the first append
         self.residual_bits: tuple[int, int] = rb  # type: ignore[assignment]
         self.key_spec = key_spec
         self.value_spec = value_spec
@@ -265,7 +265,8 @@ class PackedKVLayer:
         b, h, t, dk = key.shape
         if t == 0:
             return
-        quantize = self.kernels(key.device).quantize
+        kernels = self.kernels(key.device)
+        quantize = kernels.quantize
         # Build the new state in locals, then commit: nothing below raises on valid input,
         # and an unexpected failure (e.g. out of memory) leaves the old state in place.
         store = key.dtype
@@ -291,10 +292,9 @@ class PackedKVLayer:
             # to quantizing them one by one; blocks bound the fp32 temporaries of a long
             # prefill to a few _QUANT_ELEMENTS each.
             per = max(1, _QUANT_ELEMENTS // (b * h * max(dk, value.shape[3]) * self.chunk))
-            dequantize = self.kernels(key.device).dequantize
-            qk = quantize_in_blocks(quantize, res_k.tokens(0, n).values(dequantize), self.key_spec,
-                                    store, per * self.chunk)
-            qv = quantize_in_blocks(quantize, res_v.tokens(0, n).values(dequantize),
+            qk = quantize_in_blocks(quantize, res_k.tokens(0, n).values(kernels.dequantize),
+                                    self.key_spec, store, per * self.chunk)
+            qv = quantize_in_blocks(quantize, res_v.tokens(0, n).values(kernels.dequantize),
                                     self.value_spec, store, per * self.chunk)
             # Full-precision specs have a 1-D empty scale/zero: those buffers stay empty (a
             # vq zero [B, H, n, 0] grows with the tokens, keeping its dtype and shape).
@@ -399,17 +399,16 @@ class PackedKVLayer:
         if self._shape is None:
             raise CacheError("the cache is empty; append() first")
         store = self._store_dtype() if dtype is None else dtype
+        dequantize = self.kernels(self._device).dequantize
         ks, vs = [], []
         if self._sink_k is not None:
             ks.append(self._sink_k.to(store))
             vs.append(self._sink_v.to(store))
         if self._n_packed:
             pk, pv = self._packed()
-            dequantize = self.kernels(self._device).dequantize
             ks.append(dequantize(pk, self.key_spec, store))
             vs.append(dequantize(pv, self.value_spec, store))
         if self._res_k is not None:
-            dequantize = self.kernels(self._device).dequantize
             ks.append(self._res_k.values(dequantize, store))
             vs.append(self._res_v.values(dequantize, store))
         return torch.cat(ks, dim=2), torch.cat(vs, dim=2)

@@ -22,6 +22,7 @@ dequantized, ``O(r)`` work per step beside the body's ``O(T)``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,16 +31,23 @@ import torch
 from ..errors import CacheError
 from ..kernels.layout import FULL_PRECISION, Packed, QuantSpec
 
-__all__ = ["RESIDUAL_BITS", "Recent", "recent_spec"]
+__all__ = ["RESIDUAL_BITS", "Recent", "check_residual_bits", "recent_spec"]
 
 # Widths the recent tokens may be held at (16: full precision).
 RESIDUAL_BITS: tuple[int, ...] = (16, 8, 4)
 
 
-def recent_spec(bits: int, head_dim: int) -> QuantSpec | None:
-    """The per-token spec of recent tokens at ``bits`` (None: full precision)."""
+def check_residual_bits(bits: int) -> None:
+    """``bits`` is a width recent tokens can be held at; :class:`CacheError` otherwise."""
     if bits not in RESIDUAL_BITS:
         raise CacheError(f"residual_bits={bits} is not supported; use one of {RESIDUAL_BITS}")
+
+
+@functools.lru_cache(maxsize=None)
+def recent_spec(bits: int, head_dim: int) -> QuantSpec | None:
+    """The per-token spec of recent tokens at ``bits`` (None: full precision); cached, since
+    every append asks for it and the answer depends on these two ints alone."""
+    check_residual_bits(bits)
     if bits == FULL_PRECISION:
         return None
     return QuantSpec(bits=bits, group_size=head_dim, axis="token")
