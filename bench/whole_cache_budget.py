@@ -12,14 +12,15 @@ Every row is one policy, compared with the fp cache in the same run:
 
 Rows: ``bits=2`` (the default), ``stored_bits=2.5`` counted over the body alone (what the
 published frontier used), and the whole-cache budgets ``--budgets`` at 4,096 tokens, with
-``residual: 128`` (kvpolicy's residual window elsewhere) and ``residual: 32`` (what a
-whole-cache budget keeps unless one is written; the allocator does not trade it per layer
-yet). ``--residual-bits 16 8`` also runs each whole-cache row with its residual window
-held at 8 bits per token (``residual_bits``, runtime.recent). A budget the full-precision
+``residual: 128`` (kvpolicy's residual window elsewhere) and ``residual: 32``; ``--residuals
+auto`` writes no window, so the budget chooses each global layer's (what a whole-cache
+budget does unless ``residual`` or ``residual_bits`` is written, calibrate.whole_cache).
+``--residual-bits 16 8`` also runs each written-window row with its residual window held at
+8 bits per token (``residual_bits``, runtime.recent). A budget the full-precision
 tokens alone exceed is a row that says so. Budgets share one calibration per residual.
 
     .venv/bin/python bench/whole_cache_budget.py [--budgets 3.0 2.5 2.0 1.5]
-        [--retrieval 1024] [--residuals 128 32] [--residual-bits 16 8] [--no-fixed]
+        [--retrieval 1024] [--residuals 128 32 auto] [--residual-bits 16 8] [--no-fixed]
         [--levels uniform]
 """
 
@@ -46,8 +47,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budgets", type=float, nargs="+", default=[3.0, 2.5, 2.0, 1.5])
     ap.add_argument("--retrieval", type=int, default=1024)
-    ap.add_argument("--residuals", type=int, nargs="+", default=[128, 32],
-                    help="residual windows of the whole-cache rows (default 128 32)")
+    ap.add_argument("--residuals", nargs="+", default=["128", "32"],
+                    help="residual windows of the whole-cache rows (default 128 32); auto: "
+                         "write none, the budget chooses each layer's window")
     ap.add_argument("--residual-bits", type=int, nargs="+", default=[16],
                     help="residual_bits of the whole-cache rows (default 16)")
     ap.add_argument("--no-fixed", action="store_true",
@@ -78,16 +80,21 @@ def main() -> None:
     levels = {} if args.levels is None else {"levels": args.levels}
     for residual in args.residuals:
         for b in args.budgets:
+            if residual == "auto":
+                rows.append((f"stored_bits={b:g} whole, window chosen per layer", {
+                    "defaults": {"stored_bits": b, "budget_context": AT, **levels}}))
+                continue
             for rb in args.residual_bits:
                 rows.append((f"stored_bits={b:g} whole, residual {residual}"
                              + (f" at {rb} bits" if rb != 16 else "")
                              + (f", levels {args.levels}" if levels else ""),
                              {"defaults": {"stored_bits": b, "budget_context": AT,
-                                           "residual": residual, "residual_bits": rb,
+                                           "residual": int(residual), "residual_bits": rb,
                                            **levels}}))
-    calibrations: dict[int, object] = {}
+    calibrations: dict[object, object] = {}
     for name, spec in rows:
-        residual = spec["defaults"].get("residual", 128)
+        residual = spec["defaults"].get("residual", "auto" if "budget_context" in
+                                        spec["defaults"] else 128)
         m = copy.deepcopy(model)
         t0 = time.perf_counter()
         try:

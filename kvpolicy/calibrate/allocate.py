@@ -241,6 +241,7 @@ def allocate_joint(
     size: Callable[[int, tuple[Option, ...]], int | None],
     capacity: int,
     resolution: int = 1 << 14,
+    cost: Callable[[int, tuple[Option, ...], tuple[float, ...]], float] | None = None,
 ) -> list[tuple[Option, ...]]:
     """One option per tensor where tensors come in groups whose size depends on their
     options together (a layer's key and value: the key group sets how many recent tokens
@@ -254,6 +255,9 @@ def allocate_joint(
         resolution: the budget is cut into this many units; each group's size is rounded
             up to a unit, so the result never exceeds ``capacity`` and wastes at most one
             unit per group.
+        cost: ``cost(group, options, their errors)``, the group's error where it is not
+            the sum of its tensors' (a window choice that scales them,
+            ``calibrate.whole_cache.joint_cost``); default the sum.
 
     Returns:
         Per group, its tensors' options. Deterministic.
@@ -269,7 +273,8 @@ def allocate_joint(
             opts = tuple(o for o, _ in combo)
             s = size(g, opts)
             if s is not None:
-                joint.append((s, sum(e for _, e in combo), opts))
+                errs = tuple(e for _, e in combo)
+                joint.append((s, sum(errs) if cost is None else cost(g, opts, errs), opts))
         if not joint:
             raise PolicyError(f"layer {g}: no choice of its tensors' options fits together "
                               "(e.g. no key group whose chunk divides the page); allow other "

@@ -11,8 +11,10 @@ behind it into the tensor's reason, so that ``kvpolicy inspect`` can explain it:
   group at the chosen width ("2 bits, group 64: 2.50 stored bits per element; ... at 2
   bits: group 32 9.0e-05 (3.00) · group 64 1.2e-04 (2.50) · group 128 3.1e-04 (2.25)");
 - with ``budget_context`` L, the stored-bits budget counts the whole cache at L tokens:
-  each layer's key and value options are chosen together (:func:`_whole_cache_sizes`), the
-  reason adding what the layer holds;
+  each layer's key and value options are chosen together
+  (:func:`~kvpolicy.calibrate.whole_cache.whole_cache_sizes`), with the layer's recent
+  window where the policy has window choices (the key's reason quoting the cost and the
+  bytes of each), the value's reason adding what the layer holds;
 - ``rotation: auto``: at the chosen option, the rotated and the plain cost;
 - ``levels: auto``: at the chosen option, the cost with normal and with uniform levels.
 
@@ -25,20 +27,26 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from fractions import Fraction
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from ..errors import AnalysisError, KVPolicyError, PolicyError
-from ..kernels.layout import vq_dim
 from ..policies import Calibration, ModelPolicy, PolicySpec, TensorPolicy, stored_bits
-from ..policies.footprint import held_tokens
 from . import budget as measure
 from . import channels, vq
-from .allocate import allocate, allocate_joint, allocate_stored, exact_stored_bits
+from .allocate import allocate, allocate_joint, allocate_stored
 from .capture import LayerActivations, reduce_activations
+from .whole_cache import (
+    body_bits,
+    chunk_of,
+    joint_cost,
+    layer_pairs,
+    whole_cache_sizes,
+    window_tables,
+    window_text,
+)
 
 __all__ = ["ROTATION_GAIN", "LEVELS_GAIN", "apply_budget", "budget_policy", "channel_text",
            "channel_policy", "uniform_widths"]
@@ -276,79 +284,24 @@ def _vq_text(t: TensorPolicy, o: Option, opts: dict[Option, float]) -> str:
             "allocator prices each option by its stored bits and the centroids' bytes)")
 
 
-def _layer_pairs(policy: ModelPolicy) -> list[tuple[TensorPolicy, TensorPolicy]]:
-    """Each layer's (key, value) policies (tensors are in layer order, key first)."""
-    t = policy.tensors
-    return [(t[i], t[i + 1]) for i in range(0, len(t), 2)]
-
-
-def _chunk(pair: tuple[TensorPolicy, TensorPolicy], opts: tuple[Option, ...]) -> int:
-    """The packing chunk of a layer at these options: the lcm of their token groups (a
-    tensor grouped per channel and quantized groups ``group`` tokens, else 1)."""
-    return math.lcm(*(o[1] if t.axis.value == "channel" and o[0] < 16 else 1
-                      for t, o in zip(pair, opts, strict=True)))
-
-
-def _body_bits(pair: tuple[TensorPolicy, TensorPolicy], opts: tuple[Option, ...],
-               meta: list[int], layer: int) -> Fraction:
-    """Stored bits of one packed token of the layer at these options (an option's own
-    metadata width where it names one, else the tensor's ``meta``)."""
-    return sum((t.elements_per_token * exact_stored_bits(
-        o[0], o[1], o[2] if len(o) > 2 else meta[2 * layer + j], o[3] if _is_vq(o) else 2)
-        for j, (t, o) in enumerate(zip(pair, opts, strict=True))), Fraction(0))
-
-
-def _book_bits(pair: tuple[TensorPolicy, TensorPolicy], opts: tuple[Option, ...]) -> int:
-    """Bits of the vq centroids a layer holds at these options (fp16, whatever the
-    context)."""
-    return sum(16 * t.num_kv_heads * 256 * vq_dim(o[0])
-               for t, o in zip(pair, opts, strict=True) if _is_vq(o))
-
-
-def _whole_cache_sizes(policy: ModelPolicy, meta: list[int], context: int
-                       ) -> tuple[Callable[[int, tuple[Option, ...]], int], int]:
-    """For a whole-cache budget at ``context`` tokens: ``size(layer, (key option, value
-    option))``, the bits that layer holds (policies.footprint's schedule; sinks at 16 bits,
-    residual and incomplete chunk at ``residual_bits``), and the elements every layer keeps
-    whatever the options (what an fp16 cache holds)."""
-    pairs = _layer_pairs(policy)
-    windows = policy.windows or (None,) * len(pairs)
-
-    def size(layer: int, opts: tuple[Option, ...]) -> int:
-        (key, value), window = pairs[layer], windows[layer]
-        full = all(o[0] >= 16 for o in opts)
-        held = held_tokens(context, 0, context, 1, window) if full else held_tokens(
-            context, key.sinks, key.residual, _chunk(pairs[layer], opts), window)
-        fp = held.sinks * (key.elements_per_token + value.elements_per_token)
-        recent = held.residual * 8 * sum(2 * t.elements_per_token if full else
-                                          t.residual_bytes_per_token() for t in pairs[layer])
-        return math.ceil(held.packed * _body_bits(pairs[layer], opts, meta, layer) + 16 * fp
-                         + recent + _book_bits(pairs[layer], opts))
-
-    elements = sum(held_tokens(context, 0, context, 1, w).total
-                   * (k.elements_per_token + v.elements_per_token)
-                   for (k, v), w in zip(pairs, windows, strict=True))
-    return size, elements
-
-
 def _page_sizes(policy: ModelPolicy, meta: list[int], pages: int
                 ) -> tuple[Callable[[int, tuple[Option, ...]], int | None], list[int]]:
     """For a budget over pages of ``pages`` tokens: ``size(layer, (key option, value
     option))``, the bits of that layer's page as ``runtime.paged.PagedLayout`` lays it out
     (less the alignment of its fields), None where the options' chunk does not divide the
     page; and per layer the elements a page holds."""
-    pairs = _layer_pairs(policy)
+    pairs = layer_pairs(policy)
 
     def size(layer: int, opts: tuple[Option, ...]) -> int | None:
         key, value = pairs[layer]
         e = key.elements_per_token + value.elements_per_token
         if all(o[0] >= 16 for o in opts):
             return pages * e * 16
-        chunk = _chunk(pairs[layer], opts)
+        chunk = chunk_of(pairs[layer], opts)
         if pages % chunk:
             return None
         stage = chunk if chunk > 1 else 0
-        return (math.ceil(pages * _body_bits(pairs[layer], opts, meta, layer))
+        return (math.ceil(pages * body_bits(pairs[layer], opts, meta, layer))
                 + (stage + key.sinks) * e * 16)
 
     return size, [pages * (k.elements_per_token + v.elements_per_token) for k, v in pairs]
@@ -400,6 +353,8 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
     pairs = [options[i : i + 2] for i in range(0, len(options), 2)]
     size: Callable[[int, tuple[Option, ...]], int | None] | None = None
     held_text = ""
+    picked: list[tuple] = []
+    recent: list = [None] * len(pairs)  # per layer: the window a whole-cache budget chose
     if pages is not None:  # every layer's page within the budget on its own
         size, per_page = _page_sizes(policy, meta, pages)
         chosen = []
@@ -407,15 +362,21 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
             got = allocate_joint([pair], lambda _, opts, at=layer: size(at, opts),
                                  math.floor(budget * per_page[layer] + 1e-9))
             chosen += got[0]
+            picked += got
         budget_text = f"stored-bits budget {budget:g} per page of {pages} tokens"
         held_text = "the layer's page holds {:,.0f} bytes, its stage and sink area included"
     elif context is None:
         chosen = allocate_stored(options, sizes, budget, meta)
         budget_text = f"stored-bits budget {budget:g}"
     else:
-        size, elements = _whole_cache_sizes(policy, meta, context)
-        picked = allocate_joint(pairs, size, math.floor(budget * elements + 1e-9))
-        chosen = [o for pair in picked for o in pair]
+        size, elements = whole_cache_sizes(policy, meta, context)
+        windows = window_tables(policy, calibration)
+        groups = pairs if windows is None else [p + [w] for p, w in zip(pairs, windows,
+                                                                          strict=True)]
+        cost = joint_cost(policy, calibration)
+        picked = allocate_joint(groups, size, math.floor(budget * elements + 1e-9), cost=cost)
+        chosen = [o for pair in picked for o in pair[:2]]
+        recent = [p[2] if len(p) > 2 else None for p in picked]
         budget_text = f"stored-bits budget {budget:g} over the whole cache at {context:,} tokens"
         held_text = (f"the layer holds {{:,.0f}} bytes per batch row at {context:,} tokens, "
                      "sinks, residual and incomplete chunk included")
@@ -437,7 +398,13 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
             reason = (f"{t.reason}; {budget_text}: {what}, from the measured "
                       f"{calibration.metric} of quantizing this tensor alone")
         if size is not None and i % 2 == 1:  # what the layer holds, on its value
-            reason += "; " + held_text.format(size(i // 2, (chosen[i - 1], o)) / 8)
+            reason += "; " + held_text.format(size(i // 2, picked[i // 2]) / 8)
+        if (c := recent[i // 2]) is not None:  # both tensors hold it; the key quotes it
+            data.update(residual=c[0], residual_bits=c[1] if w < 16 else 16)
+            if i % 2 == 0:
+                body = picked[i // 2][:2]
+                errs = (options[i][o], options[i + 1][body[1]])
+                reason += "; " + window_text(calibration, c, i // 2, body, errs, cost, size)
         same_meta = [x for x in options[i] if len(x) == len(o) and not _is_vq(x)]
         if t.group_sizes and w < 16 and not _is_vq(o):
             at_w = " · ".join(

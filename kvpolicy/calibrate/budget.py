@@ -38,8 +38,12 @@ fit): the calibration measures every (width, group) pair of such a tensor, and t
 allocator chooses one pair per tensor (``allocate_stored``). A code-bits budget
 (``bits=2.5``) keeps the policy's group size and measures only it, as before.
 
-The sink and residual windows are full precision in both counts and not counted: the
-budget is over the packed body, whose size per token is what grows with the context.
+The sink and residual windows are not counted by these two: the budget is over the packed
+body, whose size per token is what grows with the context. A whole-cache budget
+(``budget_context``) counts them too, and where the spec writes no window it also prices
+each global layer's window choices (``ModelPolicy.window_choices``) on the same
+activations (:func:`kvpolicy.calibrate.whole_cache.measure`), for the allocator to choose
+one per layer with the layer's body.
 
 Decode-time cache schedule modelled by the calibration
 (:class:`kvpolicy.runtime.layer.PackedKVLayer`): the query
@@ -76,11 +80,13 @@ from ..policies import (
     TensorPolicy,
 )
 from ..progress import progress_bar, stage_done
-from . import vq
+from . import vq, whole_cache
 from .allocate import allocate
 from .capture import LayerActivations, capture_activations
 from .channels import places_widths, widths_for
 from .metrics import attention_scores, expand_heads, relative_error, roundtrip
+from .metrics import fisher_error as _fisher
+from .metrics import packed_counts as _packed_counts
 from .text import (  # re-exported: this module was their home
     CALIBRATION_ROWS,
     CALIBRATION_TOKENS,
@@ -103,20 +109,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- measure
-
-
-def _packed_counts(t: int, sinks: int, residual: int, chunk: int) -> torch.Tensor:
-    """``p(i)``: tokens packed once ``i + 1`` tokens arrived (see the module docstring)."""
-    n = torch.arange(1, t + 1)
-    r = (n - sinks).clamp_min(0)
-    return ((r - residual).clamp_min(0) // chunk) * chunk
-
-
-def _fisher(delta: torch.Tensor, grad: torch.Tensor) -> float:
-    """``Σ_{b,t} (Σ_{h,d} g·Δo)²``: per token, the squared first-order change of the
-    calibration loss that the output change ``delta`` causes (``grad``: the loss's gradient
-    with respect to the output, both ``[B, Hq, T, Dv]``)."""
-    return float((grad * delta).sum(dim=(1, 3)).square().sum())
 
 
 CALIBRATION_METRICS = {
@@ -429,6 +421,10 @@ def calibrate(
     books = vq.fit_books(model, fit_ids.to(device), policy, widths) if priced else {}
     parts = input_ids.split(1) if metric == "fisher" else (input_ids,)
     summed: dict[int, GroupErrors] = {}
+    # A whole-cache budget's window choices, priced on each global layer (whole_cache).
+    local = dict(zip(policy.layers, policy.windows or (None,) * policy.num_layers,
+                     strict=True))
+    recent: dict[int, tuple[whole_cache.Rows, whole_cache.Rows]] = {}
     bar = progress_bar(len(parts) * policy.num_layers, desc="calibrating", unit="layer",
                        enabled=progress)
     for part in parts:
@@ -437,6 +433,9 @@ def calibrate(
             got = _layer_errors_by_group(act, kp, vp, widths, store, metric,
                                          books.get(act.layer))
             summed[act.layer] = _add(summed.get(act.layer), got)
+            if policy.window_choices and local[act.layer] is None:
+                recent[act.layer] = whole_cache.add_rows(recent.get(act.layer), whole_cache.measure(
+                    act, kp, vp, store, policy.window_choices, metric))
             act.query = act.key = act.key_pre = act.value = act.out_grad = None  # type: ignore
             bar.update()
     stage_done(bar, f"calibrated {policy.num_layers} layers on {input_ids.shape[0]} x "
@@ -462,12 +461,15 @@ def calibrate(
             key_meta8_groups=_group_table(got.key_meta8, kp, groups, n),
             value_meta8_groups=_group_table(got.value_meta8, vp, groups, n),
             **_vq_rows(got.value_vq, vp, books.get(i, {}), widths),
+            key_recent=tuple(recent[i][0]) if i in recent else None,
+            value_recent=tuple(recent[i][1]) if i in recent else None,
         ))
     cal = Calibration(
         metric=CALIBRATION_METRICS[metric], model=policy.model, source=source,
         tokens=int(input_ids.shape[1]), rows=int(input_ids.shape[0]),
         seconds=round(time.perf_counter() - start, 3),
         settings=policy.calibration_key(), widths=widths, groups=groups, layers=tuple(layers),
+        recent=policy.window_choices,
     )
     log.info("calibrated %d layers x %d widths x %d groups in %.1f s", len(layers),
              len(widths), max(len(groups), 1), cal.seconds)

@@ -46,6 +46,8 @@ __all__ = [
     "attention_scores",
     "consumed_errors",
     "expand_heads",
+    "fisher_error",
+    "packed_counts",
     "relative_error",
     "roundtrip",
 ]
@@ -192,3 +194,19 @@ def consumed_errors(
             output_err=relative_error(out_v, out), joint_output_err=relative_error(out_kv, out),
         ))
     return rows
+
+
+def packed_counts(t: int, sinks: int, residual: int, chunk: int) -> torch.Tensor:
+    """``p(i)``: tokens packed once ``i + 1`` tokens arrived (the decode-time schedule
+    ``calibrate.budget`` models: whole chunks leave the residual once it holds
+    ``residual + chunk``)."""
+    n = torch.arange(1, t + 1)
+    r = (n - sinks).clamp_min(0)
+    return ((r - residual).clamp_min(0) // chunk) * chunk
+
+
+def fisher_error(delta: torch.Tensor, grad: torch.Tensor) -> float:
+    """``Σ_{b,t} (Σ_{h,d} g·Δo)²``: per token, the squared first-order change of the
+    calibration loss that the output change ``delta`` causes (``grad``: the loss's gradient
+    with respect to the output, both ``[B, Hq, T, Dv]``)."""
+    return float((grad * delta).sum(dim=(1, 3)).square().sum())

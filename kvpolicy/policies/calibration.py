@@ -11,7 +11,7 @@ from typing import Union
 from pydantic import Field, StrictInt, StrictStr, model_validator
 
 from .field_docs import documented
-from .rules import BUDGET_WIDTHS, Frozen, TensorKind, invalid
+from .rules import BUDGET_WIDTHS, Frozen, TensorKind, WindowChoice, invalid
 
 __all__ = ["Calibration", "LayerSensitivity", "GROUP_TABLES"]
 
@@ -54,6 +54,12 @@ class LayerSensitivity(Frozen):
     # (``TensorPolicy.codebook``'s text; "" where no width was measured).
     value_vq: tuple[Union[float, None], ...] | None = None
     value_vq_books: tuple[StrictStr, ...] | None = None
+    # For a window a whole-cache budget chooses (``Calibration.recent``), per choice
+    # ``(body, window)``: the error of a reference body with the choice's recent tokens
+    # exact, and of those tokens alone at the choice's width (0 at 16 bits); None where
+    # the layer's window is fixed (a local layer).
+    key_recent: tuple[tuple[float, float], ...] | None = None
+    value_recent: tuple[tuple[float, float], ...] | None = None
 
 
 # The per-group tables of a LayerSensitivity (None where the tensor's group is fixed).
@@ -90,6 +96,9 @@ class Calibration(Frozen):
     widths: tuple[StrictInt, ...] = Field(min_length=1)
     groups: tuple[StrictInt, ...] = ()
     layers: tuple[LayerSensitivity, ...] = Field(min_length=1)
+    # (residual tokens, residual_bits) choices measured for a window a whole-cache budget
+    # chooses per layer (``ModelPolicy.window_choices``); empty when none was measured.
+    recent: tuple[WindowChoice, ...] = ()
 
     @model_validator(mode="after")
     def _shapes(self) -> Calibration:
@@ -150,6 +159,13 @@ class Calibration(Frozen):
             if row is None:
                 return {}
         return {w: e for w, e in zip(self.widths, row, strict=True) if e is not None}
+
+    def recent_errors(self, layer: int, tensor: TensorKind | str
+                      ) -> dict[tuple[int, int], tuple[float, float]]:
+        """``{(tokens, bits): (body error, window error)}`` of one tensor's window choices
+        (:attr:`LayerSensitivity.key_recent`); empty where not measured."""
+        row = getattr(self._layer(layer), f"{TensorKind(tensor).value}_recent")
+        return {} if row is None else dict(zip(self.recent, row, strict=True))
 
     def vq_errors(self, layer: int) -> dict[int, tuple[float, str]]:
         """``{width: (error, codebook text)}`` of one layer's value vector-quantized

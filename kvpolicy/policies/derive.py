@@ -464,13 +464,20 @@ WHOLE_CACHE_RESIDUAL: dict[int, int] = {16: 32, 8: 64, 4: 64}
 # against 1.0239x fp perplexity, KL 0.0133 against 0.0125.
 WHOLE_CACHE_RESIDUAL_BITS = 8
 
+# ... unless the spec writes neither, when the budget chooses each global layer's window
+# among these (residual tokens, residual_bits) with its body (calibrate.whole_cache), the
+# defaults above being what the calibration measures the body at. 32 at 16 bits and 64 at
+# 8 cost about the same bytes (8.5 bits per element at head_dim 64).
+WINDOW_CHOICES: tuple[tuple[int, int], ...] = ((32, 8), (64, 8), (128, 8), (32, 16))
+
 
 def whole_cache_residuals(policy: ModelPolicy, spec: PolicySpec) -> ModelPolicy:
     """When ``spec`` budgets the whole cache (``budget_context``), ``policy`` with each
     residual window held at :data:`WHOLE_CACHE_RESIDUAL_BITS` unless ``residual_bits`` is
     written, then cut (never raised) to :data:`WHOLE_CACHE_RESIDUAL` at its layer's widest
     residual width unless ``residual`` is written (the defaults or any rule); each reason
-    says so."""
+    says so. Where neither is written, the policy records :data:`WINDOW_CHOICES` for the
+    budget to choose among per global layer (``calibrate.whole_cache``)."""
     if spec.defaults.budget_context is None:
         return policy
     tensors = policy.tensors
@@ -489,7 +496,9 @@ def whole_cache_residuals(policy: ModelPolicy, spec: PolicySpec) -> ModelPolicy:
             policy, lambda i, t: WHOLE_CACHE_RESIDUAL[widest[t.layer]],
             lambda i, t: "a whole-cache budget pays every token kept out of the packed body, "
                          "and fewer of them leave the packed tokens more bits")
-    return policy.model_copy(update={"tensors": tensors})
+    choose = not _writes(spec, "residual_bits") and not _writes(spec, "residual")
+    return policy.model_copy(update={"tensors": tensors,
+                                     "window_choices": WINDOW_CHOICES if choose else ()})
 
 
 def _writes(spec: PolicySpec, field: str) -> bool:

@@ -328,6 +328,10 @@ _CALIBRATION_DOCS: dict[str, FieldDoc] = {
     ),
     "layers": FieldDoc("The errors of each attention layer's key and value.",
                        _CALIBRATION["layers"]),
+    "recent": FieldDoc("The recent-window choices measured, `[residual tokens, "
+                       "residual_bits]` each (the rows of `key_recent` / `value_recent`); "
+                       "empty when the budget chooses no window.", [[32, 8], [64, 8]],
+                       "pairs of an int ≥ 0 and 16, 8 or 4"),
 }
 
 _K, _V = _CALIBRATION["layers"][0]["key"], _CALIBRATION["layers"][0]["value"]
@@ -385,6 +389,14 @@ _SENSITIVITY: dict[str, FieldDoc] = {
                                "`codebook` text; empty where not measured): the one the "
                                "policy takes where the allocator chooses vq.",
                                ["", "", "", "", ""], "one text per entry of `widths`"),
+    "key_recent": FieldDoc("For a recent window a whole-cache budget chooses: per entry of "
+                           "`recent`, the error of a 2-bit body with that many recent tokens "
+                           "exact, and the error of those tokens alone at that width (0 at "
+                           "16 bits); null where the layer's window is fixed.",
+                           [[_K[1], 2e-7], [_K[1] * 0.9, 3e-7]],
+                           "one [body, window] pair per entry of `recent`"),
+    "value_recent": FieldDoc("The same for the value.", [[_V[1], 1e-7], [_V[1] * 0.9, 2e-7]],
+                             "one [body, window] pair per entry of `recent`"),
 }
 
 _MODEL_POLICY: dict[str, FieldDoc] = {
@@ -411,6 +423,12 @@ _MODEL_POLICY: dict[str, FieldDoc] = {
                         "local layers. Read by the whole-cache figure (`inspect`'s last "
                         "line): a local layer holds about a window of tokens.",
                         [512, 512, 512, 512, 512, None]),
+    "window_choices": FieldDoc("The `[residual, residual_bits]` pairs a whole-cache budget "
+                               "chooses among for each global layer's recent window (written "
+                               "when a `budget_context` budget writes neither `residual` nor "
+                               "`residual_bits`); empty: every window is as the policy says.",
+                               [[32, 8], [64, 8], [128, 8], [32, 16]],
+                               "pairs of an int ≥ 0 and 16, 8 or 4"),
 }
 
 _TENSOR: dict[str, FieldDoc] = {

@@ -11,12 +11,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
 from ..kernels.layout import FULL_PRECISION, NORMAL_LEVELS, SUPPORTED_BITS, byte_aligned
+
+# A recent-window choice: (residual tokens, residual_bits), as a whole-cache budget weighs it.
+WindowChoice = tuple[Annotated[int, Field(strict=True, ge=0)], Literal[16, 8, 4]]
 
 # SUPPORTED_BITS and FULL_PRECISION (16: kept in full precision) are facts of the packed
 # layout; they live in kernels.layout and are re-exported here.

@@ -43,6 +43,7 @@ from .rules import (
     Axis,
     Frozen,
     TensorKind,
+    WindowChoice,
     check_bits,
     check_byte_aligned,
     check_divides,
@@ -357,6 +358,9 @@ class ModelPolicy(Frozen):
     budget_pages: StrictInt | None = None  # ... or over a paged server's blocks
     calibration: Calibration | None = None
     windows: tuple[StrictInt | None, ...] = ()  # per layer: a local layer's window, or None
+    # (residual, residual_bits) pairs a whole-cache budget chooses among for each global
+    # layer's recent window (calibrate.window); empty: every window is fixed.
+    window_choices: tuple[WindowChoice, ...] = ()
 
     @model_validator(mode="after")
     def _layer_order(self) -> ModelPolicy:
@@ -455,7 +459,7 @@ class ModelPolicy(Frozen):
             + (f":fit={t.fit}" if t.fit != "minmax" else "")
             + (f":g={'/'.join(map(str, t.group_sizes))}" if t.group_sizes else "")
             for t in self.tensors
-        ]
+        ] + [f"recent={self.window_choices}"] * bool(self.window_choices)
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
     def get(self, layer: int, tensor: TensorKind | str) -> TensorPolicy:

@@ -12,6 +12,7 @@ import torch
 import kvpolicy
 from kvpolicy.calibrate import allocate_joint
 from kvpolicy.errors import PolicyError
+from kvpolicy.policies.derive import WINDOW_CHOICES
 from kvpolicy.policies.footprint import held_tokens, whole_cache
 from kvpolicy.runtime.paged import PagedLayout
 from kvpolicy.zoo.tiny import tiny_model
@@ -162,11 +163,14 @@ def test_a_whole_cache_budget_keeps_a_short_residual_unless_one_is_written():
         model, policy={"defaults": {"stored_bits": 4.0, "budget_context": TOKENS, "sinks": 2}},
         calibration=cal, progress=False)
     assert whole.windows == (512, None)
-    # 64 in the global layer (held at 8 bits, the bytes of 32 at 16), and the local layer's
-    # share of its window: 64 * 512 // 4096
-    assert [t.residual for t in whole.tensors] == [8, 8, 64, 64]
-    assert "a whole-cache budget pays every token kept out of the packed body" \
-        in whole.get(1, "key").reason
+    # The local layer keeps its share of its window, 64 * 512 // 4096 of the 64 the body is
+    # calibrated at (held at 8 bits, the bytes of 32 at 16); the budget chose the global
+    # layer's among WINDOW_CHOICES (tests/calibrate/test_window_choice.py).
+    assert [t.residual for t in whole.tensors[:2]] == [8, 8]
+    key = whole.get(1, "key")
+    assert (key.residual, key.residual_bits) in WINDOW_CHOICES
+    assert "a whole-cache budget pays every token kept out of the packed body" in key.reason
+    assert f"recent window {key.residual} tokens" in key.reason
     at16 = kvpolicy.derive_policy(
         model, policy={"defaults": {"stored_bits": 4.0, "budget_context": TOKENS, "sinks": 2,
                                     "residual_bits": 16}},
