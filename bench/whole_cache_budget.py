@@ -13,8 +13,8 @@ Every row is one policy, compared with the fp cache in the same run:
 Rows: ``bits=2`` (the default), ``stored_bits=2.5`` counted over the body alone (what the
 published frontier used), and the whole-cache budgets ``--budgets`` at 4,096 tokens, with
 ``residual: 128`` (kvpolicy's residual window elsewhere) and ``residual: 32``; ``--residuals
-auto`` writes no window, so the budget chooses each global layer's (what a whole-cache
-budget does unless ``residual`` or ``residual_bits`` is written, calibrate.whole_cache).
+auto`` writes ``residual: auto``: the budget chooses each global layer's window, tokens and
+width (calibrate.whole_cache).
 ``--residual-bits 16 8`` also runs each written-window row with its residual window held at
 8 bits per token (``residual_bits``, runtime.recent). A budget the full-precision
 tokens alone exceed is a row that says so. Budgets share one calibration per residual.
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--retrieval", type=int, default=1024)
     ap.add_argument("--residuals", nargs="+", default=["128", "32"],
                     help="residual windows of the whole-cache rows (default 128 32); auto: "
-                         "write none, the budget chooses each layer's window")
+                         "residual: auto, the budget chooses each layer's window")
     ap.add_argument("--residual-bits", type=int, nargs="+", default=[16],
                     help="residual_bits of the whole-cache rows (default 16)")
     ap.add_argument("--no-fixed", action="store_true",
@@ -81,8 +81,9 @@ def main() -> None:
     for residual in args.residuals:
         for b in args.budgets:
             if residual == "auto":
-                rows.append((f"stored_bits={b:g} whole, window chosen per layer", {
-                    "defaults": {"stored_bits": b, "budget_context": AT, **levels}}))
+                rows.append((f"stored_bits={b:g} whole, residual: auto", {
+                    "defaults": {"stored_bits": b, "budget_context": AT, "residual": "auto",
+                                 **levels}}))
                 continue
             for rb in args.residual_bits:
                 rows.append((f"stored_bits={b:g} whole, residual {residual}"

@@ -23,6 +23,7 @@ from .rules import (
     BUDGET_WIDTHS,
     FULL_PRECISION,
     GROUP_CHOICES,
+    KVPOLICY_DEFAULTS,
     META8_GROUPS,
     Axis,
     TensorKind,
@@ -303,7 +304,8 @@ def build_policy(
             values: dict[str, Any] = {
                 "bits": start_bits,
                 "group_size": start_group,
-                "residual": d.residual,
+                "residual": KVPOLICY_DEFAULTS["residual"] if d.residual == "auto"
+                else d.residual,
                 "residual_bits": d.residual_bits,
                 "sinks": d.sinks,
                 "axis": d.axis if d.axis is not None else derived_axis,
@@ -464,10 +466,14 @@ WHOLE_CACHE_RESIDUAL: dict[int, int] = {16: 32, 8: 64, 4: 64}
 # against 1.0239x fp perplexity, KL 0.0133 against 0.0125.
 WHOLE_CACHE_RESIDUAL_BITS = 8
 
-# ... unless the spec writes neither, when the budget chooses each global layer's window
-# among these (residual tokens, residual_bits) with its body (calibrate.whole_cache), the
-# defaults above being what the calibration measures the body at. 32 at 16 bits and 64 at
-# 8 cost about the same bytes (8.5 bits per element at head_dim 64).
+# With ``residual: auto`` the budget chooses each global layer's window among these
+# (residual tokens, residual_bits) with its body (calibrate.whole_cache), the defaults
+# above being what the calibration measures the body at. 32 at 16 bits and 64 at 8 cost
+# about the same bytes (8.5 bits per element at head_dim 64). Not the default: NOTE
+# bench/whole_cache_budget.py at e2699dd, 2.0 whole-cache bits, the choice (128 tokens on
+# 22 of 30 layers, body 1.65 stored bits) scored 1.066x fp perplexity, KL 0.036, top-1 0.910,
+# retrieval 0.864x against 64 at 8 bits' 1.041x / 0.029 / 0.922 / 0.942x: the calibration's
+# 512-token rows overrate what a window saves at 4,096 tokens.
 WINDOW_CHOICES: tuple[tuple[int, int], ...] = ((32, 8), (64, 8), (128, 8), (32, 16))
 
 
@@ -476,7 +482,7 @@ def whole_cache_residuals(policy: ModelPolicy, spec: PolicySpec) -> ModelPolicy:
     residual window held at :data:`WHOLE_CACHE_RESIDUAL_BITS` unless ``residual_bits`` is
     written, then cut (never raised) to :data:`WHOLE_CACHE_RESIDUAL` at its layer's widest
     residual width unless ``residual`` is written (the defaults or any rule); each reason
-    says so. Where neither is written, the policy records :data:`WINDOW_CHOICES` for the
+    says so. Under ``residual: auto`` the policy records :data:`WINDOW_CHOICES` for the
     budget to choose among per global layer (``calibrate.whole_cache``)."""
     if spec.defaults.budget_context is None:
         return policy
@@ -489,6 +495,12 @@ def whole_cache_residuals(policy: ModelPolicy, spec: PolicySpec) -> ModelPolicy:
                 "whole-cache budget pays for it, and the bytes saved go to the packed "
                 "tokens")}) for t in tensors)
         policy = policy.model_copy(update={"tensors": tensors})
+    auto = spec.defaults.residual == "auto"
+    if auto and any(r.residual is not None or r.residual_bits is not None
+                    for r in spec.overrides):
+        raise PolicyError(f"{spec.source}: residual: auto lets the budget choose every "
+                          "global layer's window; drop residual and residual_bits from "
+                          "the rules, or give the defaults a number of tokens")
     if not _writes(spec, "residual"):
         widest = {t.layer: max(u.residual_bits for u in tensors if u.layer == t.layer)
                   for t in tensors}
@@ -496,13 +508,14 @@ def whole_cache_residuals(policy: ModelPolicy, spec: PolicySpec) -> ModelPolicy:
             policy, lambda i, t: WHOLE_CACHE_RESIDUAL[widest[t.layer]],
             lambda i, t: "a whole-cache budget pays every token kept out of the packed body, "
                          "and fewer of them leave the packed tokens more bits")
-    choose = not _writes(spec, "residual_bits") and not _writes(spec, "residual")
     return policy.model_copy(update={"tensors": tensors,
-                                     "window_choices": WINDOW_CHOICES if choose else ()})
+                                     "window_choices": WINDOW_CHOICES if auto else ()})
 
 
 def _writes(spec: PolicySpec, field: str) -> bool:
-    return (field in spec.defaults.model_fields_set
+    """Whether ``spec`` writes ``field`` with a value (``auto`` leaves it to kvpolicy)."""
+    return ((field in spec.defaults.model_fields_set
+             and getattr(spec.defaults, field) != "auto")
             or any(getattr(r, field) is not None for r in spec.overrides))
 
 

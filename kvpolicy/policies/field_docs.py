@@ -134,8 +134,11 @@ _SETTINGS: dict[str, FieldDoc] = {
         "them (16 of a 512-token window): it holds about a window of tokens, where a "
         "global layer spreads its residual over the whole context. Left out under a "
         "whole-cache budget (`budget_context`), it is 64 held at 8 bits (`residual_bits`), "
-        "32 at 16: the same bytes.",
+        "32 at 16: the same bytes. `auto` (a whole-cache budget only, without "
+        "`residual_bits`): the budget chooses each global layer's window, 32, 64 or 128 "
+        "tokens at 8 bits or 32 at 16, with that layer's body, from measured costs.",
         128,
+        "an int ≥ 0, or `auto`",
     ),
     "residual_bits": FieldDoc(
         "How the residual window's tokens (and the incomplete group waiting in it) are "

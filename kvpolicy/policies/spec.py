@@ -9,7 +9,7 @@ layers when ``build_policy`` (derive.py) applies it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import (
@@ -132,7 +132,10 @@ class Defaults(Frozen):
     # precision, runtime.paged.PagedLayout), every layer within it on its own.
     budget_pages: Union[StrictInt, None] = Field(default=None, ge=16, multiple_of=16)
     group_size: GroupSetting = KVPOLICY_DEFAULTS["group_size"]
-    residual: StrictInt = Field(default=KVPOLICY_DEFAULTS["residual"], ge=0)
+    # "auto": a whole-cache budget chooses each global layer's window, tokens and width
+    # (policies.derive.WINDOW_CHOICES, calibrate.whole_cache).
+    residual: Union[Annotated[int, Field(strict=True, ge=0)], Literal["auto"]] = \
+        KVPOLICY_DEFAULTS["residual"]
     # How the residual window's tokens are held (runtime.recent): 16, full precision; 8 or
     # 4, packed per token. A full-precision tensor keeps 16. Left out under a whole-cache
     # budget (budget_context): 8 (policies.derive.whole_cache_residuals).
@@ -205,6 +208,15 @@ class Defaults(Frozen):
                     f"{name} {getattr(self, name)} says {says}, and there is no "
                     f"stored_bits; add stored_bits: 3.0, or drop {name}",
                 )
+        if self.residual == "auto" and (self.budget_context is None
+                                        or "residual_bits" in self.model_fields_set):
+            raise invalid(
+                "residual",
+                "residual: auto lets a whole-cache budget choose each layer's recent window, "
+                "its tokens and their width; it needs stored_bits and budget_context (e.g. "
+                "4096) and no residual_bits, or give a number of tokens",
+                "residual", "budget_context",
+            )
         if self.budget_pages is not None and self.budget_context is not None:
             raise invalid(
                 "budget_pages",

@@ -163,13 +163,21 @@ def test_a_whole_cache_budget_keeps_a_short_residual_unless_one_is_written():
         model, policy={"defaults": {"stored_bits": 4.0, "budget_context": TOKENS, "sinks": 2}},
         calibration=cal, progress=False)
     assert whole.windows == (512, None)
-    # The local layer keeps its share of its window, 64 * 512 // 4096 of the 64 the body is
-    # calibrated at (held at 8 bits, the bytes of 32 at 16); the budget chose the global
-    # layer's among WINDOW_CHOICES (tests/calibrate/test_window_choice.py).
-    assert [t.residual for t in whole.tensors[:2]] == [8, 8]
-    key = whole.get(1, "key")
+    # 64 in the global layer (held at 8 bits, the bytes of 32 at 16), and the local layer's
+    # share of its window: 64 * 512 // 4096; no window chosen unless residual: auto
+    assert [t.residual for t in whole.tensors] == [8, 8, 64, 64]
+    assert whole.window_choices == () and whole.calibration.recent == ()
+    assert "a whole-cache budget pays every token kept out of the packed body" \
+        in whole.get(1, "key").reason
+    auto = kvpolicy.derive_policy(
+        model, policy={"defaults": {"stored_bits": 4.0, "budget_context": TOKENS, "sinks": 2,
+                                    "residual": "auto"}},
+        calibration=cal, progress=False)
+    # the local layer keeps its share; the budget chose the global layer's window
+    # (tests/calibrate/test_window_choice.py)
+    assert [t.residual for t in auto.tensors[:2]] == [8, 8]
+    key = auto.get(1, "key")
     assert (key.residual, key.residual_bits) in WINDOW_CHOICES
-    assert "a whole-cache budget pays every token kept out of the packed body" in key.reason
     assert f"recent window {key.residual} tokens" in key.reason
     at16 = kvpolicy.derive_policy(
         model, policy={"defaults": {"stored_bits": 4.0, "budget_context": TOKENS, "sinks": 2,

@@ -19,7 +19,8 @@ from kvpolicy.policies.footprint import whole_cache as footprint
 from kvpolicy.zoo.tiny import tiny_model
 
 CONTEXT = 4096  # what the budget counts at (the tiny model need not reach it)
-SPEC = {"defaults": {"stored_bits": 3.0, "budget_context": CONTEXT, "sinks": 2}}
+SPEC = {"defaults": {"stored_bits": 3.0, "budget_context": CONTEXT, "sinks": 2,
+                     "residual": "auto"}}
 
 
 def _ids(seed: int, t: int) -> torch.Tensor:
@@ -134,15 +135,31 @@ def test_the_budget_buys_a_larger_window_only_where_it_pays(derived):
     assert {(t.residual, t.residual_bits) for t in flat.tensors} == {(32, 8)}
 
 
-@pytest.mark.parametrize("written", [{"residual": 16}, {"residual_bits": 16}])
-def test_a_written_window_is_not_chosen(derived, written):
+@pytest.mark.parametrize("written", [{}, {"residual": 16}])
+def test_a_window_is_chosen_only_under_residual_auto(derived, written):
     model, _ = derived
-    spec = {"defaults": {**SPEC["defaults"], **written}}
+    spec = {"defaults": {**SPEC["defaults"], "residual": 64, **written}}
+    if not written:
+        del spec["defaults"]["residual"]
     got = kvpolicy.derive_policy(model, policy=spec, calibration=_ids(1, 200),
                                  progress=False)
     assert got.window_choices == () and got.calibration.recent == ()
     assert all(ls.key_recent is None for ls in got.calibration.layers)
     assert "recent window" not in got.get(0, "key").reason
+
+
+@pytest.mark.parametrize("defaults, rule, match", [
+    ({"stored_bits": 3.0}, None, "needs stored_bits and budget_context"),
+    ({**SPEC["defaults"], "residual_bits": 8}, None, "no residual_bits"),
+    (SPEC["defaults"], {"layers": 0, "tensor": "*", "residual_bits": 16},
+     "drop residual and residual_bits from the rules"),
+])
+def test_residual_auto_is_refused_where_the_budget_cannot_choose(defaults, rule, match):
+    spec = {"defaults": {**defaults, "residual": "auto"}}
+    if rule:
+        spec["overrides"] = [rule]
+    with pytest.raises(PolicyError, match=match):
+        kvpolicy.derive_policy(tiny_model("llama"), policy=spec, progress=False)
 
 
 def test_a_calibration_without_the_choices_is_refused(derived):
