@@ -41,9 +41,10 @@ allocator chooses one pair per tensor (``allocate_stored``). A code-bits budget
 The sink and residual windows are not counted by these two: the budget is over the packed
 body, whose size per token is what grows with the context. A whole-cache budget
 (``budget_context``) counts them too, and where the spec writes no window it also prices
-each global layer's window choices (``ModelPolicy.window_choices``) on the same
-activations (:func:`kvpolicy.calibrate.whole_cache.measure`), for the allocator to choose
-one per layer with the layer's body.
+each global layer's window choices (``ModelPolicy.window_choices``) on the calibration rows
+joined into one, one more forward and backward
+(:func:`kvpolicy.calibrate.whole_cache.measure`), for the allocator to choose one per layer
+with the layer's body.
 
 Decode-time cache schedule modelled by the calibration
 (:class:`kvpolicy.runtime.layer.PackedKVLayer`): the query
@@ -433,11 +434,15 @@ def calibrate(
             got = _layer_errors_by_group(act, kp, vp, widths, store, metric,
                                          books.get(act.layer))
             summed[act.layer] = _add(summed.get(act.layer), got)
-            if policy.window_choices and local[act.layer] is None:
-                recent[act.layer] = whole_cache.add_rows(recent.get(act.layer), whole_cache.measure(
-                    act, kp, vp, store, policy.window_choices, metric))
             act.query = act.key = act.key_pre = act.value = act.out_grad = None  # type: ignore
             bar.update()
+    if policy.window_choices:  # priced on the rows joined, the longest context there is
+        joined = input_ids.reshape(1, -1).to(device)
+        for act in capture_activations(model, joined, loss_grad=metric == "fisher"):
+            if local[act.layer] is None:
+                recent[act.layer] = whole_cache.measure(
+                    act, policy.get(act.layer, "key"), policy.get(act.layer, "value"), store,
+                    policy.window_choices, metric, rows=whole_cache.PRICED_ROWS)
     stage_done(bar, f"calibrated {policy.num_layers} layers on {input_ids.shape[0]} x "
                f"{input_ids.shape[1]} tokens ({metric}) in {time.perf_counter() - start:.1f} s",
                enabled=progress)

@@ -12,8 +12,9 @@ Where the spec writes neither ``residual`` nor ``residual_bits``
 precision, and costs bytes the body then lacks; an 8-bit window costs half the bytes of a
 16-bit one and a little error. The calibration prices each choice per layer and tensor
 (:func:`measure`), against a reference body (:data:`REFERENCE_BITS`, uniform, min-max, the
-tensor's own group and axis, no rotation), on the query rows that read packed tokens under
-every choice (the steady state of a long context, not the first tokens of a row):
+tensor's own group and axis, no rotation), on the last :data:`PRICED_ROWS` query rows of
+the calibration text joined into one row (the longest context the text gives: what a window
+saves shrinks as the context grows, and 512-token rows overrated it):
 
 ``body``
     the error with the reference body and the choice's recent tokens exact;
@@ -58,8 +59,8 @@ from .metrics import (
     roundtrip,
 )
 
-__all__ = ["REFERENCE_BITS", "Option", "body_bits", "chunk_of", "joint_cost", "layer_pairs",
-           "measure", "window_tables", "window_text", "whole_cache_sizes"]
+__all__ = ["PRICED_ROWS", "REFERENCE_BITS", "Option", "body_bits", "chunk_of", "joint_cost",
+           "layer_pairs", "measure", "window_tables", "window_text", "whole_cache_sizes"]
 
 Option = tuple[int, ...]
 Choice = tuple[int, int]  # (recent tokens, their bits)
@@ -67,6 +68,10 @@ Rows = list[tuple[float, float]]  # per choice: (body error, window error)
 
 # The body a window choice is priced against: the width most whole-cache budgets give.
 REFERENCE_BITS = 2
+# ... on the last this many query rows of the calibration text joined into one row (2,048
+# tokens by default: a window of 128 is 6-8% of what those rows read, where on the 512-token
+# rows the body is measured on it was a quarter to most of it).
+PRICED_ROWS = 512
 
 
 # --------------------------------------------------------------------------- sizes
@@ -153,10 +158,11 @@ def _reference(t: TensorPolicy) -> QuantSpec:
 
 @torch.no_grad()
 def measure(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy, store: torch.dtype,
-            choices: Sequence[Choice], metric: str = "fisher") -> tuple[Rows, Rows]:
+            choices: Sequence[Choice], metric: str = "fisher", rows: int | None = None
+            ) -> tuple[Rows, Rows]:
     """Per window choice, ``(body, window)`` errors of the layer's key and of its value
     (module docstring), each tensor alone, summed over the rows that read packed tokens
-    under every choice."""
+    under every choice (``rows``: only the last that many of them)."""
     q, k, v = act.query, act.key, act.value
     b, hq, t, _ = q.shape
     sinks = kp.sinks
@@ -172,6 +178,8 @@ def measure(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy, store: to
             f"{sinks + sizes[-1] + chunk} tokens"
         )
     r0 = int(steady.nonzero()[0])
+    if rows is not None:
+        r0 = max(r0, t - rows)
     n = int(packed[sizes[0]][-1])  # the most tokens any choice packs
     body = slice(sinks, sinks + n)
     cols = torch.arange(t, device=q.device)[None, :]
@@ -234,14 +242,6 @@ def measure(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy, store: to
                       value_error(value_change(v_spec, everything), recent, everything))
     return ([(bodies[c[0]][0], windows[c][0]) for c in choices],
             [(bodies[c[0]][1], windows[c][1]) for c in choices])
-
-
-def add_rows(a: tuple[Rows, Rows] | None, b: tuple[Rows, Rows]) -> tuple[Rows, Rows]:
-    """``a + b`` entry by entry (errors over calibration rows add up)."""
-    if a is None:
-        return b
-    return tuple([(x[0] + y[0], x[1] + y[1]) for x, y in zip(ra, rb, strict=True)]
-                 for ra, rb in zip(a, b, strict=True))  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------- allocate

@@ -167,3 +167,33 @@ def test_a_calibration_without_the_choices_is_refused(derived):
     stale = policy.calibration.model_copy(update={"recent": ()})
     with pytest.raises(PolicyError, match="delete the 'calibration' block"):
         kvpolicy.derive_policy(model, policy=SPEC, calibration=stale, progress=False)
+
+
+def test_measure_prices_only_the_last_rows_it_is_given(derived):
+    """``rows``: the choices are priced on the last query rows alone (the joined
+    calibration text's longest contexts); the loss-weighted errors add over rows."""
+    kp, vp = _policies(derived)
+    act = _activations(40)
+    act.out_grad = torch.randn(act.query.shape, generator=torch.Generator().manual_seed(1))
+    choices = ((32, 8), (128, 8))
+    every = whole_cache.measure(act, kp, vp, torch.float16, choices)
+    assert whole_cache.measure(act, kp, vp, torch.float16, choices, rows=512) == every
+    last = whole_cache.measure(act, kp, vp, torch.float16, choices, rows=64)
+    for a, b in zip(last, every, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert 0 < x[0] < y[0] and 0 < x[1] < y[1]
+
+
+def test_the_calibration_prices_windows_on_its_rows_joined(derived, monkeypatch):
+    model, _ = derived
+    seen = []
+    real = whole_cache.measure
+
+    def spy(act, *args, **kwargs):
+        seen.append((act.query.shape[0], act.query.shape[2], kwargs.get("rows")))
+        return real(act, *args, **kwargs)
+
+    monkeypatch.setattr(whole_cache, "measure", spy)
+    ids = torch.cat([_ids(1, 200), _ids(2, 200)])
+    kvpolicy.derive_policy(model, policy=SPEC, calibration=ids, progress=False)
+    assert seen and set(seen) == {(1, 400, whole_cache.PRICED_ROWS)}
