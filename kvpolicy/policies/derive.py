@@ -470,10 +470,10 @@ WHOLE_CACHE_RESIDUAL_BITS = 8
 # (residual tokens, residual_bits) with its body (calibrate.whole_cache), the defaults
 # above being what the calibration measures the body at. 32 at 16 bits and 64 at 8 cost
 # about the same bytes (8.5 bits per element at head_dim 64). Not the default: NOTE
-# bench/whole_cache_budget.py at e2699dd, 2.0 whole-cache bits, the choice (128 tokens on
-# 22 of 30 layers, body 1.65 stored bits) scored 1.066x fp perplexity, KL 0.036, top-1 0.910,
-# retrieval 0.864x against 64 at 8 bits' 1.041x / 0.029 / 0.922 / 0.942x: the calibration's
-# 512-token rows overrate what a window saves at 4,096 tokens.
+# bench/whole_cache_budget.py at 72f509c, 2.0 whole-cache bits, the choice (128 tokens on
+# 10 of 30 layers, 64 on 17, body 1.71 stored bits) scored 1.051x fp perplexity, KL 0.029,
+# top-1 0.934, retrieval 0.944x against 64 at 8 bits' 1.041x / 0.029 / 0.922 / 0.942x: no
+# clear gain for one more forward and backward of calibration.
 WINDOW_CHOICES: tuple[tuple[int, int], ...] = ((32, 8), (64, 8), (128, 8), (32, 16))
 
 
