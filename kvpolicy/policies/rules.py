@@ -18,8 +18,10 @@ from pydantic_core import PydanticCustomError
 
 from ..kernels.layout import FULL_PRECISION, NORMAL_LEVELS, SUPPORTED_BITS, byte_aligned
 
+# The widths recent tokens may be held at (runtime.recent.RESIDUAL_BITS; 16: full precision).
+ResidualBits = Literal[16, 8, 4]
 # A recent-window choice: (residual tokens, residual_bits), as a whole-cache budget weighs it.
-WindowChoice = tuple[Annotated[int, Field(strict=True, ge=0)], Literal[16, 8, 4]]
+WindowChoice = tuple[Annotated[int, Field(strict=True, ge=0)], ResidualBits]
 
 # SUPPORTED_BITS and FULL_PRECISION (16: kept in full precision) are facts of the packed
 # layout; they live in kernels.layout and are re-exported here.

@@ -42,6 +42,7 @@ from .rules import (
     FULL_PRECISION,
     Axis,
     Frozen,
+    ResidualBits,
     TensorKind,
     WindowChoice,
     check_bits,
@@ -70,7 +71,7 @@ class TensorPolicy(Frozen):
     residual: StrictInt = Field(ge=0)  # most recent tokens kept out of the packed body
     # How those recent tokens are held (runtime.recent): 16, full precision; 8 or 4, packed
     # per token (a scale and a zero per token and kv head). Sinks stay at 16.
-    residual_bits: Literal[16, 8, 4] = 16
+    residual_bits: ResidualBits = 16
     sinks: StrictInt = Field(ge=0)  # first tokens kept in full precision
     head_dim: StrictInt = Field(gt=0)
     num_kv_heads: StrictInt = Field(default=1, gt=0)  # cached heads: elements = heads*head_dim

@@ -29,6 +29,7 @@ from .rules import (
     KVPOLICY_DEFAULTS,
     Axis,
     Frozen,
+    ResidualBits,
     TensorKind,
     check_bits,
     check_bits_or_budget,
@@ -139,7 +140,7 @@ class Defaults(Frozen):
     # How the residual window's tokens are held (runtime.recent): 16, full precision; 8 or
     # 4, packed per token. A full-precision tensor keeps 16. Left out under a whole-cache
     # budget (budget_context): 8 (policies.derive.whole_cache_residuals).
-    residual_bits: Literal[16, 8, 4] = 16
+    residual_bits: ResidualBits = 16
     sinks: StrictInt = Field(default=KVPOLICY_DEFAULTS["sinks"], ge=0)
     # True means "pre-RoPE where RoPE exists": a layer without RoPE is not an error here.
     pre_rope: StrictBool = KVPOLICY_DEFAULTS["pre_rope"]
@@ -261,7 +262,7 @@ class OverrideRule(Frozen):
     axis: Axis | None = None
     pre_rope: StrictBool | None = None
     residual: StrictInt | None = Field(default=None, ge=0)
-    residual_bits: Literal[16, 8, 4] | None = None
+    residual_bits: ResidualBits | None = None
     sinks: StrictInt | None = Field(default=None, ge=0)
     rotation: Literal["none", "hadamard", "auto"] | None = None
     levels: LevelsSetting | None = None

@@ -169,3 +169,12 @@ def test_recent_tokens_held_two_ways_do_not_join():
     assert packed.shape == plain.shape == (1, 1, 3, D) and packed.nbytes < plain.nbytes
     with pytest.raises(CacheError, match="two ways"):
         plain.joined(packed)
+
+
+def test_the_policy_offers_the_widths_the_runtime_holds():
+    import typing
+
+    from kvpolicy.policies.rules import ResidualBits
+    from kvpolicy.runtime.recent import RESIDUAL_BITS
+
+    assert typing.get_args(ResidualBits) == RESIDUAL_BITS
