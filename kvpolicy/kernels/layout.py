@@ -458,7 +458,16 @@ class RotarySpec:
     rotary_dim: int
     cos: torch.Tensor  # [P, rotary_dim]
     sin: torch.Tensor  # [P, rotary_dim]
+    # The position of row 0 (a step's rows for layers that hold no earlier token,
+    # runtime.rotary): the kernels index rows, so a caller holding positions passes
+    # ``rows_of(positions)``.
+    offset: int = 0
 
     @property
     def max_positions(self) -> int:
+        """Rows in the table (positions ``offset .. offset + max_positions - 1``)."""
         return self.cos.shape[0]
+
+    def rows_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rows of ``positions`` (positions less :attr:`offset`)."""
+        return positions - self.offset if self.offset else positions

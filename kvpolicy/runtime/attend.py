@@ -303,7 +303,7 @@ def _prefill_attention(q, k, v, attn_mask, causal, scale, rope, positions,
     :func:`_capped_prefill`.
     """
     if rope is not None:
-        k = torch_backend.BACKEND.apply_rope(k, positions.tensor(k.device), rope)
+        k = torch_backend.BACKEND.apply_rope(k, rope.rows_of(positions.tensor(k.device)), rope)
     dtype = q.dtype
     half_gpu = q.device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     if softcap is not None:

@@ -17,6 +17,7 @@ padding).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -192,7 +193,9 @@ class KVPolicyCache(Cache):
         # The Triton kernels read a half-precision table as it is (half the bytes; the
         # rows are rounded to the model's dtype anyway); the C++ kernel wants fp32.
         half = packed.kernels(cos.device).name == "triton"
-        return group.spec(cos.dtype if half else torch.float32), pos
+        lo = min(held.lo if held.n else math.inf, pos.lo if pos.count else math.inf)
+        return group.spec(cos.dtype if half else torch.float32,
+                          0 if lo == math.inf else int(lo)), pos
 
     def reset(self) -> None:
         super().reset()

@@ -185,17 +185,22 @@ def check_query(
             raise CacheError(f"attn_mask dtype {attn_mask.dtype}: use bool or float")
 
 
-def check_rope(rope: RotarySpec | None, max_pos: int, head_dim: int) -> None:
+def check_rope(rope: RotarySpec | None, max_pos: int, head_dim: int, min_pos: int = 0) -> None:
     """The rotary table of an ``attend`` call (or None) fits the head dim and covers the
-    largest key position ``max_pos``."""
+    key positions ``min_pos .. max_pos``."""
     if rope is None:
         return
+    if min_pos < rope.offset:
+        raise CacheError(
+            f"a key sits at position {min_pos} but the rotary table starts at position "
+            f"{rope.offset}; pass a table that covers every stored position")
     if rope.rotary_dim > head_dim:
         raise CacheError(f"rotary_dim={rope.rotary_dim} > head_dim={head_dim}")
-    if max_pos >= rope.max_positions:
+    if max_pos >= rope.offset + rope.max_positions:
         raise CacheError(
             f"a key sits at position {max_pos} but the rotary table has "
-            f"{rope.max_positions} rows; pass a table that covers every stored position"
+            f"{rope.max_positions} rows from position {rope.offset}; pass a table that "
+            "covers every stored position"
         )
 
 

@@ -471,10 +471,10 @@ class PackedKVLayer:
         elif not self.pre_rope:
             raise CacheError("attend(rope=...) on a layer built without pre_rope=True: its "
                              "keys are post-RoPE and no positions were stored")
-        max_pos = self._pos.hi
+        max_pos, min_pos = self._pos.hi, self._pos.lo if self._pos.n else math.inf
         if rope is not None and new_pos is not None and new_pos.count:
-            max_pos = max(max_pos, new_pos.hi)
-        check_rope(rope, max_pos, query.shape[-1])
+            max_pos, min_pos = max(max_pos, new_pos.hi), min(min_pos, new_pos.lo)
+        check_rope(rope, max_pos, query.shape[-1], min_pos)
         tq, d = query.shape[2:]
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         ns, npk = self.n_sinks, self._n_packed
@@ -482,18 +482,18 @@ class PackedKVLayer:
         if npk:
             pk, pv = self._packed()
         fk, fv = self._fp_segment()
-        if rope is not None and self._pos.n:
+        if rope is not None and self._pos.n:  # as rows of the table
             dev, n = query.device, self._pos.n
-            kpos = self._pos.tensor(dev, ns, ns + npk)
-            fpos = self._pos.tensor(dev, 0, ns) if ns + npk == n else torch.cat(
-                (self._pos.tensor(dev, 0, ns), self._pos.tensor(dev, ns + npk, n)), dim=1)
+            kpos = rope.rows_of(self._pos.tensor(dev, ns, ns + npk))
+            fpos = rope.rows_of(self._pos.tensor(dev, 0, ns) if ns + npk == n else torch.cat(
+                (self._pos.tensor(dev, 0, ns), self._pos.tensor(dev, ns + npk, n)), dim=1))
         total = self.seq_len
         if new_k is not None and new_k.shape[2]:
             total += new_k.shape[2]
             fk = new_k if fk is None else torch.cat((fk, new_k), dim=2)
             fv = new_v if fv is None else torch.cat((fv, new_v), dim=2)
             if rope is not None:
-                new = new_pos.tensor(query.device)
+                new = rope.rows_of(new_pos.tensor(query.device))
                 fpos = new if fpos is None else torch.cat((fpos, new), dim=1)
         decode = self.kernels(query.device).decode_attention
         look = data_checks(query.device, tq)

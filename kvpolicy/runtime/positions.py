@@ -189,6 +189,11 @@ class Positions:
         self.hi = -1  # largest position held
         self.batch: int | None = None
 
+    @property
+    def lo(self) -> int:
+        """A lower bound of every position held (exact for contiguous runs); 0 if none."""
+        return min((r.lo for r in self.runs if r.n), default=0)
+
     def following(self) -> tuple[int | torch.Tensor, int, int, tuple[object, int]] | None:
         """``(base, lo, hi, continues)`` of the tokens that would continue the last run
         (``TokenPositions.contiguous``); None when empty or the last run is explicit."""

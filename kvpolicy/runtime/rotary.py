@@ -112,6 +112,8 @@ class RotaryGroup:
         self._steps = 0
         self._spec: tuple[int, RotarySpec] | None = None
         self._reads = 0
+        # The least position read in this step and the last (spec's ``lo``), per step.
+        self._step_rows, self._floor, self._asked = -1, 0, 0
 
     @property
     def computed(self) -> bool:
@@ -137,10 +139,16 @@ class RotaryGroup:
                 c, s = c.to(dtype), s.to(dtype)
         return _layout(c, self.style), _layout(s, self.style)
 
-    def spec(self, dtype: torch.dtype = torch.float32) -> RotarySpec:
+    def spec(self, dtype: torch.dtype = torch.float32, lo: int = 0) -> RotarySpec:
         """A table every position handed out so far indexes (see module doc): in
         ``dtype`` when the rows are computed and ``dtype`` is the model's own (exact);
-        fp32 otherwise (stored rows are kept in fp32)."""
+        fp32 otherwise (stored rows are kept in fp32).
+
+        ``lo``: the least position the caller reads. Computed rows start at the least
+        position any layer of the group read in the step before (positions a layer holds
+        only move forward: a sliding window's layers hold the last ``window`` of them), so
+        a group of local layers builds about a window of rows per step, not every position
+        (``RotarySpec.offset``)."""
         if not self.computed:
             key = self.cos.n
             if self._spec is None or self._spec[0] != key:
@@ -149,7 +157,12 @@ class RotaryGroup:
             return self._spec[1]
         rows = self.hi + 1
         dtype = dtype if dtype == self.dtype else torch.float32
-        if self._spec is None or self._spec[0] != rows or self._spec[1].cos.dtype != dtype:
+        if rows != self._step_rows:  # a new step: start where the last one's reads did
+            self._step_rows, self._floor, self._asked = rows, self._asked, lo
+        self._asked = min(self._asked, lo)
+        cached = self._spec
+        if (cached is None or cached[0] != rows or cached[1].cos.dtype != dtype
+                or cached[1].offset > lo):
             # NOTE: rebuilt once per step for all layers. SmolLM2 shapes (rotary_dim 64),
             # one thread, loaded machine: 0.3 / 1.0 / 2.0 / 6.3 ms at 1K / 4K / 8K / 16K
             # positions, against 0.05 / 0.26 / 0.75 / 1.8 ms for the torch.cat onto a held
@@ -157,8 +170,10 @@ class RotaryGroup:
             # rotary_dim values per token) with int32 positions per layer held SmolLM2's
             # 8K compression at 4.33x (now 4.92x), and a one-layer, one-KV-head model's
             # 16K compression at 0.45x (now 5.11x).
-            pos = torch.arange(rows, device=self.inv_freq.device)
-            self._spec = (rows, RotarySpec(self.style, self.rotary_dim, *self.rows(pos, dtype)))
+            start = min(lo, self._floor)
+            pos = torch.arange(start, rows, device=self.inv_freq.device)
+            self._spec = (rows, RotarySpec(self.style, self.rotary_dim, *self.rows(pos, dtype),
+                                           offset=start))
         spec = self._spec[1]
         self._reads += 1
         if self._steps > 1 and self._reads >= self.layers:

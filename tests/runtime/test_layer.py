@@ -330,6 +330,15 @@ def test_rope_table_given_at_attend_time() -> None:
     short = RotarySpec("rotate_half", 64, rope.cos[:100], rope.sin[:100])
     with pytest.raises(CacheError, match="covers every stored position"):
         late.attend(q, rope=short)
+    # a table of rows from a position on (RotarySpec.offset) reads the same rows ...
+    lo = int(pos.min())
+    tail = RotarySpec("rotate_half", 64, rope.cos[lo:2048], rope.sin[lo:2048], offset=lo)
+    assert torch.equal(late.attend(q, rope=grown), late.attend(q, rope=tail))
+    # ... and one that starts after a held position is refused
+    later = RotarySpec("rotate_half", 64, rope.cos[lo + 1 : 2048], rope.sin[lo + 1 : 2048],
+                       offset=lo + 1)
+    with pytest.raises(CacheError, match=f"starts at position {lo + 1}"):
+        late.attend(q, rope=later)
     post = PackedKVLayer(K2, V2, residual=16, sinks=4)
     post.append(k, v)
     with pytest.raises(CacheError, match="pre_rope"):

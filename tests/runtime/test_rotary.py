@@ -180,3 +180,43 @@ def test_layers_with_other_angles_get_their_own_group():
     assert len(cache.rotary) == 2 and all(g.computed for g in cache.rotary)
     for layer, is_local in zip(cache.layers, local, strict=True):
         assert layer.rotary is cache.rotary[0 if is_local else 1]
+
+
+def test_a_local_groups_rows_start_near_its_window(monkeypatch):
+    """Sliding-window layers whose rotation is their own (Gemma3's local base) build a
+    step's rows from the least position they still hold (``RotarySpec.offset``), not from
+    0, and attend exactly as with every row; the global layers' rows start at 0."""
+    model = kvpolicy.compile_model(tiny_model(
+        "gemma3_text", max_position_embeddings=1024, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"]), bits=2)
+    ids = _ids(1, 400)
+    real = RotaryGroup.spec
+    offsets: dict[int, list[int]] = {}
+
+    def spy(self, dtype=torch.float32, lo=0):
+        spec = real(self, dtype, lo)
+        offsets.setdefault(id(self), []).append(spec.offset)
+        return spec
+
+    def from_zero(self, dtype=torch.float32, lo=0):
+        return real(self, dtype, 0)
+
+    def logits() -> torch.Tensor:
+        out = []
+        with torch.no_grad():
+            cache = model(ids[:, :300], use_cache=True).past_key_values
+            for t in range(300, 400):
+                step = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+                cache = step.past_key_values
+                out.append(step.logits)
+        return torch.cat(out, dim=1)
+
+    monkeypatch.setattr(RotaryGroup, "spec", spy)
+    windowed = logits()
+    assert len(offsets) == 2
+    local, other = sorted(offsets.values(), key=max, reverse=True)
+    assert set(other) == {0}
+    # the last step's rows start within a window and a chunk of the newest position
+    assert 399 - 64 - 32 <= local[-1] <= 399 - 64
+    monkeypatch.setattr(RotaryGroup, "spec", from_zero)
+    assert torch.equal(windowed, logits())
