@@ -11,8 +11,10 @@ turns them into *positions* and recomputes rows from them when attention needs t
   ``scale`` read off the rows. Positions of new tokens are the layer's next ones, checked
   against the rows the block was given; if those differ (a left-padded prompt, positions
   chosen by the caller) they are solved from the rows' angles and checked again. The group
-  holds no per-token data: a step builds the rows of positions ``0 .. max`` once for all
-  its layers (a transient, dropped when every layer has read it).
+  holds no per-token data: a step builds the rows of positions ``lo .. max`` once for all
+  its layers (a transient, dropped when every layer has read it), ``lo`` the least
+  position its layers read the step before: 0 for global layers, about the last window
+  for a group of sliding-window layers (``RotarySpec.offset``).
 - **stored** (fallback): rows no buffer reproduces (a table the model precomputed in its
   own way, dynamic NTK or longrope once the model switches frequencies mid-sequence) are
   appended to a growing table, and "positions" index it. Rows computed so far are written
