@@ -507,7 +507,9 @@ def whole_cache_residuals(policy: ModelPolicy, spec: PolicySpec) -> ModelPolicy:
         tensors = _cut_residuals(
             policy, lambda i, t: WHOLE_CACHE_RESIDUAL[widest[t.layer]],
             lambda i, t: "a whole-cache budget pays every token kept out of the packed body, "
-                         "and fewer of them leave the packed tokens more bits")
+                         "and fewer of them leave the packed tokens more bits" + (
+                             "; the body is measured with this window, and residual: auto "
+                             "then chooses each global layer's" if auto else ""))
     return policy.model_copy(update={"tensors": tensors,
                                      "window_choices": WINDOW_CHOICES if auto else ()})
 

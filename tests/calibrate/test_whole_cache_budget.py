@@ -179,6 +179,7 @@ def test_a_whole_cache_budget_keeps_a_short_residual_unless_one_is_written():
     key = auto.get(1, "key")
     assert (key.residual, key.residual_bits) in WINDOW_CHOICES
     assert f"recent window {key.residual} tokens" in key.reason
+    assert "residual: auto then chooses each global layer's" in key.reason
     at16 = kvpolicy.derive_policy(
         model, policy={"defaults": {"stored_bits": 4.0, "budget_context": TOKENS, "sinks": 2,
                                     "residual_bits": 16}},
