@@ -123,9 +123,16 @@ def ablations(bits: int | float) -> list[tuple[str, str, dict[str, Any]]]:
 
 
 def _merge(spec_dict: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """``spec_dict`` with ``extra``'s defaults updated over it and its overrides appended."""
+    """``spec_dict`` with ``extra``'s defaults updated over it and its overrides appended; a
+    width in ``extra`` replaces a stored-bits budget of ``spec_dict`` (and what only a
+    budget takes: its context or pages, ``residual: auto``)."""
     out = {"defaults": dict(spec_dict.get("defaults", {})),
            "overrides": list(spec_dict.get("overrides", []))}
+    if "bits" in extra.get("defaults", {}) and "stored_bits" in out["defaults"]:
+        for k in ("stored_bits", "budget_context", "budget_pages"):
+            out["defaults"].pop(k, None)
+        if out["defaults"].get("residual") == "auto":
+            del out["defaults"]["residual"]
     out["defaults"].update(extra.get("defaults", {}))
     out["overrides"] += extra.get("overrides", [])
     return out
@@ -458,6 +465,8 @@ def _spec_dict(policy: Any, bits: int | float) -> dict[str, Any]:
     given = spec.defaults.model_fields_set | {"bits"}
     defaults = {k: v for k, v in dump["defaults"].items()
                 if (k in given or v != own.get(k)) and (k != "axis" or v is not None)}
+    if spec.defaults.stored_bits is not None:  # the budget allocates the widths
+        defaults.pop("bits", None)
     return {"defaults": defaults, "overrides": [
         {k: v for k, v in rule.items() if v is not None} for rule in dump.get("overrides", [])
     ]}

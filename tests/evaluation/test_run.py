@@ -16,6 +16,7 @@ from kvpolicy.evaluation import (
     run,
 )
 from kvpolicy.evaluation.stored import QUICK_STORED_GROUPS, STORED_BUDGETS, WHOLE_BUDGETS
+from kvpolicy.policies import load_spec
 from kvpolicy.policies.footprint import CONTEXT
 from kvpolicy.zoo.tiny import tiny_model
 
@@ -291,6 +292,19 @@ def test_the_policy_under_test_keeps_what_nobody_wrote_unwritten():
     tensors = kvpolicy.derive_policy(tiny_model("llama"), policy=kivi, progress=False).tensors
     assert {(t.group_size, t.meta_bits) for t in tensors} == {(32, 16)}
     assert run._spec_dict({"defaults": {"group_size": 32}}, 2)["defaults"]["group_size"] == 32
+
+
+
+def test_a_stored_bits_policy_under_test_loads_again():
+    """``kvpolicy eval --policy`` with a stored-bits budget: the document the ablations
+    extend writes no width beside the budget (bits and stored_bits exclude each other)."""
+    whole = {"stored_bits": 2.0, "budget_context": 4096, "residual": "auto"}
+    got = run._spec_dict({"defaults": whole}, 2)
+    assert got["defaults"] == whole
+    assert load_spec(got).budget == 2.0
+    # the uniform-width rows replace the budget with their width
+    assert run._merge(got, {"defaults": {"bits": 3}}) == {"defaults": {"bits": 3},
+                                                          "overrides": []}
 
 
 def test_no_ablations_keeps_the_frontier_and_drops_the_rest(tmp_path, capsys):
