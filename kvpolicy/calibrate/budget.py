@@ -437,7 +437,8 @@ def calibrate(
             act.query = act.key = act.key_pre = act.value = act.out_grad = None  # type: ignore
             bar.update()
     if policy.window_choices:  # priced on the rows joined, the longest context there is
-        joined = input_ids.reshape(1, -1).to(device)
+        limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        joined = input_ids.reshape(1, -1)[:, :limit].to(device)
         for act in capture_activations(model, joined, loss_grad=metric == "fisher"):
             if local[act.layer] is None:
                 recent[act.layer] = whole_cache.measure(

@@ -197,3 +197,18 @@ def test_the_calibration_prices_windows_on_its_rows_joined(derived, monkeypatch)
     ids = torch.cat([_ids(1, 200), _ids(2, 200)])
     kvpolicy.derive_policy(model, policy=SPEC, calibration=ids, progress=False)
     assert seen and set(seen) == {(1, 400, whole_cache.PRICED_ROWS)}
+
+
+def test_the_joined_row_stops_at_the_models_positions(monkeypatch):
+    model = tiny_model("llama", max_position_embeddings=256)
+    seen = []
+    real = whole_cache.measure
+
+    def spy(act, *args, **kwargs):
+        seen.append(act.query.shape[2])
+        return real(act, *args, **kwargs)
+
+    monkeypatch.setattr(whole_cache, "measure", spy)
+    ids = torch.cat([_ids(1, 200), _ids(2, 200)])
+    kvpolicy.derive_policy(model, policy=SPEC, calibration=ids, progress=False)
+    assert set(seen) == {256}
