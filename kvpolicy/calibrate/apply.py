@@ -36,11 +36,12 @@ from ..errors import AnalysisError, KVPolicyError, PolicyError
 from ..policies import Calibration, ModelPolicy, PolicySpec, TensorPolicy, stored_bits
 from . import budget as measure
 from . import channels, vq
-from .allocate import allocate, allocate_joint, allocate_stored
+from .allocate import Option, allocate, allocate_joint, allocate_stored
 from .capture import LayerActivations, reduce_activations
 from .whole_cache import (
     body_bits,
     chunk_of,
+    is_vq,
     joint_cost,
     layer_pairs,
     whole_cache_sizes,
@@ -220,13 +221,6 @@ def _variant_reason(t: TensorPolicy, data: dict[str, Any], w: int, plain: float 
 
 # (width, group size), (width, group size, 8) for 8-bit scales and zeros, or
 # (width, head_dim, 8, 1) for vq values (one 8-bit scale per group, no zero; calibrate.vq).
-Option = tuple[int, ...]
-
-
-def _is_vq(o: Option) -> bool:
-    return len(o) > 3
-
-
 def _vq_options(calibration: Calibration, t: TensorPolicy, pages: int | None
                 ) -> dict[Option, float]:
     """``{(width, head_dim, 8, 1): error}`` of ``t`` vector-quantized where the calibration
@@ -273,7 +267,7 @@ def _vq_text(t: TensorPolicy, o: Option, opts: dict[Option, float]) -> str:
     of no more stored bits (what it would have paid instead)."""
     w = o[0]
     mine = stored_bits(w, o[1], 8, 1)
-    scalar = [(e, x) for x, e in opts.items() if not _is_vq(x) and x[0] < 16
+    scalar = [(e, x) for x, e in opts.items() if not is_vq(x) and x[0] < 16
               and stored_bits(x[0], x[1], x[2] if len(x) > 2 else 16) <= mine + 0.5]
     e, x = min(scalar) if scalar else (0.0, ())
     alt = (f" against {_fmt(e)} for the best scalar option up to 0.5 bits more ({_bits(x[0])}"
@@ -385,9 +379,9 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
         w, g = o[:2]
         mb = o[2] if len(o) > 2 else meta[i]
         data = t.model_dump()
-        fields = o[3] if _is_vq(o) else 2
+        fields = o[3] if is_vq(o) else 2
         sb = stored_bits(w, g, mb, fields)
-        what = (f"{_bits(w)}{' vq' if _is_vq(o) else ''}, group {g}: {sb:.2f} stored bits "
+        what = (f"{_bits(w)}{' vq' if is_vq(o) else ''}, group {g}: {sb:.2f} stored bits "
                 f"per element ({w} + {fields} x {mb}/{g})" if w < 16 else
                 "16 bits: 16.00 stored bits per element, no scales")
         pinned = t.bits_from == "rule"
@@ -405,17 +399,17 @@ def _apply_stored(policy: ModelPolicy, calibration: Calibration, budget: float,
                 body = picked[i // 2][:2]
                 errs = (options[i][o], options[i + 1][body[1]])
                 reason += "; " + window_text(calibration, c, i // 2, body, errs, cost, size)
-        same_meta = [x for x in options[i] if len(x) == len(o) and not _is_vq(x)]
-        if t.group_sizes and w < 16 and not _is_vq(o):
+        same_meta = [x for x in options[i] if len(x) == len(o) and not is_vq(x)]
+        if t.group_sizes and w < 16 and not is_vq(o):
             at_w = " · ".join(
                 f"group {x[1]} {_fmt(options[i][x])} ({stored_bits(w, x[1], mb):.2f})"
                 for x in sorted(same_meta) if x[0] == w)
             reason += f"; at {_bits(w)}: {at_w}"
-        if not pinned and not _is_vq(o):
+        if not pinned and not is_vq(o):
             at_g = " · ".join(f"{x[0]} b {_fmt(options[i][x])}" for x in sorted(same_meta)
                               if x[1] == g)
             reason += f"; at group {g}: {at_g}"
-        if _is_vq(o):  # vq values: the option as calibrate.vq priced it, its codebook
+        if is_vq(o):  # vq values: the option as calibrate.vq priced it, its codebook
             reason += _vq_text(t, o, options[i])
             data.update(vq.candidate(t, w, calibration.vq_errors(t.layer)[w][1]).model_dump(
                 include={"group_size", "group_sizes", "levels", "meta_bits", "fit",

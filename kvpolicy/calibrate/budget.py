@@ -423,8 +423,6 @@ def calibrate(
     parts = input_ids.split(1) if metric == "fisher" else (input_ids,)
     summed: dict[int, GroupErrors] = {}
     # A whole-cache budget's window choices, priced on each global layer (whole_cache).
-    local = dict(zip(policy.layers, policy.windows or (None,) * policy.num_layers,
-                     strict=True))
     recent: dict[int, tuple[whole_cache.Rows, whole_cache.Rows]] = {}
     bar = progress_bar(len(parts) * policy.num_layers, desc="calibrating", unit="layer",
                        enabled=progress)
@@ -437,6 +435,8 @@ def calibrate(
             act.query = act.key = act.key_pre = act.value = act.out_grad = None  # type: ignore
             bar.update()
     if policy.window_choices:  # priced on the rows joined, the longest context there is
+        local = dict(zip(policy.layers, policy.windows or (None,) * policy.num_layers,
+                         strict=True))
         limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         joined = input_ids.reshape(1, -1)[:, :limit].to(device)
         for act in capture_activations(model, joined, loss_grad=metric == "fisher"):

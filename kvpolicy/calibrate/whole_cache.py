@@ -48,7 +48,7 @@ from ..kernels.masks import causal_mask
 from ..policies import Calibration, ModelPolicy, TensorPolicy
 from ..policies.footprint import held_tokens
 from ..runtime.recent import recent_spec
-from .allocate import exact_stored_bits
+from .allocate import Option, exact_stored_bits
 from .capture import LayerActivations
 from .metrics import (
     attention_scores,
@@ -59,10 +59,9 @@ from .metrics import (
     roundtrip,
 )
 
-__all__ = ["PRICED_ROWS", "REFERENCE_BITS", "Option", "body_bits", "chunk_of", "joint_cost",
+__all__ = ["PRICED_ROWS", "REFERENCE_BITS", "body_bits", "chunk_of", "is_vq", "joint_cost",
            "layer_pairs", "measure", "window_tables", "window_text", "whole_cache_sizes"]
 
-Option = tuple[int, ...]
 Choice = tuple[int, int]  # (recent tokens, their bits)
 Rows = list[tuple[float, float]]  # per choice: (body error, window error)
 
@@ -83,7 +82,9 @@ def layer_pairs(policy: ModelPolicy) -> list[tuple[TensorPolicy, TensorPolicy]]:
     return [(t[i], t[i + 1]) for i in range(0, len(t), 2)]
 
 
-def _is_vq(o: Option) -> bool:
+def is_vq(o: Option) -> bool:
+    """An option of vector-quantized values ``(width, head_dim, 8, 1)``: its fourth field
+    is the metadata count per group."""
     return len(o) > 3
 
 
@@ -99,7 +100,7 @@ def body_bits(pair: tuple[TensorPolicy, TensorPolicy], opts: Sequence[Option],
     """Stored bits of one packed token of the layer at these options (an option's own
     metadata width where it names one, else the tensor's ``meta``)."""
     return sum((t.elements_per_token * exact_stored_bits(
-        o[0], o[1], o[2] if len(o) > 2 else meta[2 * layer + j], o[3] if _is_vq(o) else 2)
+        o[0], o[1], o[2] if len(o) > 2 else meta[2 * layer + j], o[3] if is_vq(o) else 2)
         for j, (t, o) in enumerate(zip(pair, opts[:2], strict=True))), Fraction(0))
 
 
@@ -107,7 +108,7 @@ def _book_bits(pair: tuple[TensorPolicy, TensorPolicy], opts: Sequence[Option]) 
     """Bits of the vq centroids a layer holds at these options (fp16, whatever the
     context)."""
     return sum(16 * t.num_kv_heads * 256 * vq_dim(o[0])
-               for t, o in zip(pair, opts[:2], strict=True) if _is_vq(o))
+               for t, o in zip(pair, opts[:2], strict=True) if is_vq(o))
 
 
 def whole_cache_sizes(policy: ModelPolicy, meta: list[int], context: int
@@ -228,18 +229,21 @@ def measure(act: LayerActivations, kp: TensorPolicy, vp: TensorPolicy, store: to
                      0.0 if vp.pinned_full_precision else
                      value_error(dv_ref, reads_packed[r], body))
     everything = slice(0, t)
+    # Every token at each window width, rounded once per width (choices share widths).
+    rounded = {b: (attention_scores(q_r, keys_at(recent_spec(b, kp.head_dim), everything),
+                                    act.scale),
+                   value_change(recent_spec(b, vp.head_dim), everything))
+               for b in {c[1] for c in choices} if recent_spec(b, kp.head_dim) is not None}
     windows: dict[Choice, tuple[float, float]] = {}
     for c in choices:
-        spec = recent_spec(c[1], kp.head_dim)
-        if spec is None:
+        if c[1] not in rounded:  # full precision: the window costs no error
             windows[c] = (0.0, 0.0)
             continue
         recent = seen & ~reads_packed[c[0]] & (cols >= sinks)
-        k_c = attention_scores(q_r, keys_at(spec, everything), act.scale)
-        v_spec = recent_spec(c[1], vp.head_dim)
+        k_c, dv_c = rounded[c[1]]
         windows[c] = (0.0 if kp.pinned_full_precision else key_error(k_c, recent, everything),
                       0.0 if vp.pinned_full_precision else
-                      value_error(value_change(v_spec, everything), recent, everything))
+                      value_error(dv_c, recent, everything))
     return ([(bodies[c[0]][0], windows[c][0]) for c in choices],
             [(bodies[c[0]][1], windows[c][1]) for c in choices])
 
