@@ -28,7 +28,7 @@ from ..kernels.layout import RotarySpec
 from ..policies import ModelPolicy
 from ..state import compiled_of
 from .layer import PackedKVLayer
-from .positions import TokenPositions
+from .positions import TokenPositions, least_position
 from .rotary import RotaryGroup
 
 __all__ = ["KVPolicyCache", "KVPolicyLayer"]
@@ -193,7 +193,7 @@ class KVPolicyCache(Cache):
         # The Triton kernels read a half-precision table as it is (half the bytes; the
         # rows are rounded to the model's dtype anyway); the C++ kernel wants fp32.
         half = packed.kernels(cos.device).name == "triton"
-        lo = min(held.lo if held.n else math.inf, pos.lo if pos.count else math.inf)
+        lo = least_position(held, pos)
         return group.spec(cos.dtype if half else torch.float32,
                           0 if lo == math.inf else int(lo)), pos
 

@@ -53,7 +53,7 @@ from .checks import (
 )
 from .growing import Growing
 from .memory import layer_memory
-from .positions import Positions, TokenPositions
+from .positions import Positions, TokenPositions, least_position
 from .recent import Recent, check_residual_bits, recent_spec
 
 __all__ = ["PackedKVLayer"]
@@ -471,10 +471,10 @@ class PackedKVLayer:
         elif not self.pre_rope:
             raise CacheError("attend(rope=...) on a layer built without pre_rope=True: its "
                              "keys are post-RoPE and no positions were stored")
-        max_pos, min_pos = self._pos.hi, self._pos.lo if self._pos.n else math.inf
+        max_pos = self._pos.hi
         if rope is not None and new_pos is not None and new_pos.count:
-            max_pos, min_pos = max(max_pos, new_pos.hi), min(min_pos, new_pos.lo)
-        check_rope(rope, max_pos, query.shape[-1], min_pos)
+            max_pos = max(max_pos, new_pos.hi)
+        check_rope(rope, max_pos, query.shape[-1], least_position(self._pos, new_pos))
         tq, d = query.shape[2:]
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         ns, npk = self.n_sinks, self._n_packed

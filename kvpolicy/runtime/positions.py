@@ -10,6 +10,7 @@ ints, so checking positions against a rotary table needs no device sync.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from ..errors import CacheError
 from .growing import Growing
 
-__all__ = ["Positions", "Run", "TokenPositions"]
+__all__ = ["Positions", "Run", "TokenPositions", "least_position"]
 
 # Runs beyond this many are merged into one explicit run (a caller that jumps positions
 # at every step would otherwise grow a Python list per token).
@@ -189,11 +190,6 @@ class Positions:
         self.hi = -1  # largest position held
         self.batch: int | None = None
 
-    @property
-    def lo(self) -> int:
-        """A lower bound of every position held (exact for contiguous runs); 0 if none."""
-        return min((r.lo for r in self.runs if r.n), default=0)
-
     def following(self) -> tuple[int | torch.Tensor, int, int, tuple[object, int]] | None:
         """``(base, lo, hi, continues)`` of the tokens that would continue the last run
         (``TokenPositions.contiguous``); None when empty or the last run is explicit."""
@@ -292,3 +288,11 @@ def _join(last: Run, r: Run) -> Run:
         return Run(last.n + r.n, min(last.lo, r.lo), max(last.hi, r.hi), values=buf.view(),
                    buf=buf)
     return Run(last.n + r.n, last.lo, max(last.hi, r.hi), base=last.base)
+
+
+def least_position(*records: Positions | TokenPositions | None) -> float:
+    """A lower bound of every position ``records`` hold (exact for contiguous runs):
+    where a table of rows must start for them (``RotarySpec.offset``); ``math.inf`` when
+    they hold none."""
+    return min((r.lo for p in records if p is not None for r in p.runs if r.n),
+               default=math.inf)
