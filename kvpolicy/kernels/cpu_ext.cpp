@@ -67,6 +67,31 @@ struct Params {
   // centroids, non-null exactly when built with KVP_VVQ > 0; then vc is [.., Tk, Dv / KVP_VVQ]
   // byte indices, vs one scale per group of Gv channels and vz unused (a VQ group has no zero)
   const float* vcb;
+  // implicit bounds (the fused step, kvp_paged_step): null, or [B] each; then token t of row
+  // b's packed segment is visible iff plo[b] <= t < phi[b], its position is t (kpos unused),
+  // and a work item reads only the key groups that hold visible tokens
+  const int64_t* plo; const int64_t* phi;
+};
+
+// One decode step of one layer over paged packed pages (kvp_paged_step): every sequence
+// adds one token. Fixed per layer: pages and where a page's fields lie; per step: the
+// sequences, their block tables and the engine's q/k/v/out rows.
+struct Step {
+  uint8_t* pages; int64_t page_bytes, num_blocks;
+  int64_t bs, C, sinks, window;              // block size, chunk, sinks, window (0: none)
+  int64_t stage_k, stage_v, sink_k, sink_v;  // byte offsets of those fields in a page
+  int64_t rope_rows;                         // rows of the rotary table (0: keys as given)
+  const float* rot;                          // [Dv, Dv] value rotation, or null
+  float scale;
+  int64_t edt;                               // engine dtype of q/k/v/out: 0 fp32 1 bf16 2 fp16
+  int64_t B;                                 // sequences
+  const int64_t* seq_len;                    // [B] tokens after this step
+  const int64_t* btab; int64_t btab_sb, btab_n;  // [B, btab_n] block ids, rows btab_sb apart
+  const void* q; int64_t q_rs, q_hs;         // [N, Hq, Dk]: sequence b's row is row b
+  const void* k; int64_t k_rs, k_hs;         // [N, Hkv, Dk], rotated as the engine gives it
+  const void* v; int64_t v_rs, v_hs;         // [N, Hkv, Dv]
+  void* out; int64_t o_rs, o_hs;             // [N, Hq, Dv]
+  int64_t nthreads, threads_from;            // threads when the step holds >= threads_from
 };
 }
 
@@ -301,8 +326,20 @@ template <int KB, int VB, bool FP>
 void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, float* accs) {
   using KU = Unit<KB>;
   using VU = Unit<VB>;
-  const int64_t n = tn - t0;
   const int64_t R = P.rep * P.Tq;
+  // Implicit bounds: the item shrinks to the key groups holding visible tokens (an item of
+  // a row with fewer blocks, or below a sliding window, reads nothing, not even its block id)
+  const bool bounded = !FP && P.phi != nullptr;
+  const int64_t vlo = bounded ? P.plo[b] : 0;
+  if (bounded) {
+    t0 = std::max(t0, vlo / Gk * Gk);
+    tn = std::min(tn, P.phi[b]);
+    if (t0 >= tn) {
+      for (int64_t e = 0; e < P.Hkv * R; ++e) stats[e] = Acc{NEG_INF, 0.f};
+      return;
+    }
+  }
+  const int64_t n = tn - t0;
   const int64_t Hq = P.Hkv * P.rep;
   constexpr int64_t kbytes = Gk * KB / 8;
   constexpr int64_t vbytes = Dv * VB / 8, ngv = Dv / Gv;
@@ -400,7 +437,15 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
           }
         }
       }
-      if (P.rope_style != 0) rope_rows(P, K, nt, pos + g0);
+      if (P.rope_style != 0) {
+        if (bounded) {  // positions are token indices
+          alignas(64) int64_t tpos[Gk];
+          for (int64_t j = 0; j < nt; ++j) tpos[j] = g0 + j;
+          rope_rows(P, K, nt, tpos);
+        } else {
+          rope_rows(P, K, nt, pos + g0);
+        }
+      }
       for (int64_t r = 0; r < R; ++r) {
         const float* qr = q0 + r * Dk;
         float* sr = S.data() + r * n + (g0 - t0);
@@ -445,6 +490,8 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
         const float inv = 1.f / cap;
         for (int64_t t = 0; t < n; ++t) sr[t] = cap * tanh_vec(sr[t] * inv);
       }
+      if (bounded)
+        for (int64_t t = 0; t < std::min(n, vlo - t0); ++t) sr[t] = NEG_INF;
       if (mask) {
         const int64_t hq = h * P.rep + r / P.Tq, i = r % P.Tq;
         const float* mr = mask + b * ms0 + hq * ms1 + i * ms2;
@@ -694,18 +741,242 @@ void run(const Params& P) {
       }
 }
 
+
+// ---- the fused decode step (kvp_paged_step)
+
+// Engine tensors (q, k, v, out) in their dtype, chosen per call (Step::edt).
+inline float bf16_to_f32(uint16_t x) {
+  const uint32_t u = (uint32_t)x << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  uint32_t u;
+  if (e == 31) {
+    u = sign | 0x7f800000u | (m << 13);
+  } else if (e != 0) {
+    u = sign | ((e + 112) << 23) | (m << 13);
+  } else {
+    const float f = std::ldexp((float)m, -24);
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// Round to nearest even, as torch's .to(bfloat16) / .to(float16).
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+inline uint16_t f32_to_f16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);                 // NaN
+  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);                // overflow: inf
+  if (a < 0x38800000u) {                                                  // subnormal or 0
+    float af;
+    std::memcpy(&af, &a, 4);
+    // af * 2**24 rounded to nearest even is the subnormal's mantissa (0x400: the least normal)
+    return (uint16_t)(sign | (uint32_t)std::nearbyint(af * 16777216.f));
+  }
+  const uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - (112u << 23);
+  return (uint16_t)(sign | (r >> 13));
+}
+inline float load_e(const void* p, int64_t i, int64_t edt) {
+  if (edt == 0) return ((const float*)p)[i];
+  const uint16_t x = ((const uint16_t*)p)[i];
+  return edt == 1 ? bf16_to_f32(x) : f16_to_f32(x);
+}
+inline void store_e(void* p, int64_t i, int64_t edt, float x) {
+  if (edt == 0) {
+    ((float*)p)[i] = x;
+  } else {
+    ((uint16_t*)p)[i] = edt == 1 ? f32_to_bf16(x) : f32_to_f16(x);
+  }
+}
+// The storage type KVP_SDT from fp32.
+inline SType to_store(float x) {
+#if KVP_SDT == 0
+  return x;
+#elif KVP_SDT == 1
+  return f32_to_bf16(x);
+#else
+  return f32_to_f16(x);
+#endif
+}
+
+// The inverse rotation of one key row at one position (cos/sin rows cs/sn): what
+// runtime.paged's torch path computes with rope_rotate and -sin, product by product, so
+// that the stored pre-RoPE key is bit-identical to it (no fused multiply-add here).
+__attribute__((optimize("fp-contract=off"))) inline void unrope(float* kr, const float* cs,
+                                                                 const float* sn, int64_t style) {
+  constexpr int64_t half = KVP_HALF;
+  for (int64_t i = 0; i < half; ++i) {
+    const int64_t i0 = style == 1 ? i : 2 * i;
+    const int64_t i1 = style == 1 ? i + half : 2 * i + 1;
+    const float x0 = kr[i0], x1 = kr[i1];
+    const float a = x0 * cs[i], b = x1 * sn[i], c = x1 * cs[i], d = x0 * sn[i];
+    kr[i0] = a + b;
+    kr[i1] = c - d;
+  }
+}
+
+// One decode step of one layer: per sequence, its new key (rotated back to pre-RoPE at its
+// position, where the layer has a rotary table) and value (rotated by the value rotation,
+// where there is one) go to its block's stage (and to the sinks while it is one); its query
+// attends over the sinks, the packed blocks (in place, through the block table, cut to the
+// visible tokens) and the stage up to and including the new token, in one softmax; the
+// output is rotated back and written to the engine's row in its dtype. Packing a chunk the
+// step completes is the caller's (runtime.paged). Returns 0, or what was wrong (the caller
+// raises): 2 a sequence with no token, 3 a block table too short for a sequence, 4 a
+// position past the rotary table, 5 a block id outside the pages, 6 an unknown dtype.
+template <int KB, int VB>
+int step(const Step& S, const Params& base) {
+  const int64_t B = S.B, Hkv = base.Hkv, rep = base.rep, Hq = Hkv * rep;
+  const int64_t C = S.C, SN = S.sinks, bs = S.bs, Tf = SN + C;
+  if (S.edt < 0 || S.edt > 2) return 6;
+  std::vector<int64_t> plo(B), phi(B);
+  int64_t nbmax = 0, total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t L = S.seq_len[b], pos = L - 1;
+    if (L < 1) return 2;
+    if (pos / bs >= S.btab_n) return 3;
+    if (S.rope_rows > 0 && L > S.rope_rows) return 4;
+    const int64_t np = pos / C * C;  // tokens of complete chunks, before this step's
+    plo[b] = std::max(SN, S.window > 0 ? pos - S.window + 1 : (int64_t)0);
+    phi[b] = np;
+    const int64_t* row = S.btab + b * S.btab_sb;
+    const int64_t nb = (np + bs - 1) / bs;
+    for (int64_t j = std::min(plo[b] / bs, nb); j < nb; ++j)
+      if (row[j] < 0 || row[j] >= S.num_blocks) return 5;
+    if (row[pos / bs] < 0 || row[pos / bs] >= S.num_blocks) return 5;
+    if (SN && (row[0] < 0 || row[0] >= S.num_blocks)) return 5;
+    nbmax = std::max(nbmax, nb);
+    total += L;
+  }
+  std::vector<float> qs(B * Hq * Dk), out32(B * Hq * Dv), lse(B * Hq), fmask(B * Tf);
+  std::vector<SType> fk(B * Hkv * Tf * Dk), fv(B * Hkv * Tf * Dv);
+  std::vector<int64_t> fpos(B * Tf, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t L = S.seq_len[b], pos = L - 1, np = pos / C * C;
+    const int64_t* row = S.btab + b * S.btab_sb;
+    uint8_t* page = S.pages + row[pos / bs] * S.page_bytes;
+    uint8_t* first = S.pages + row[0] * S.page_bytes;
+    for (int64_t i = 0; i < Hq * Dk; ++i)
+      qs[b * Hq * Dk + i] =
+          load_e(S.q, b * S.q_rs + (i / Dk) * S.q_hs + i % Dk, S.edt) * S.scale;
+    // ---- append: the new key and value to the stage (and the sinks)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      alignas(64) float kr[Dk], vr[Dv], vo[Dv];
+      for (int64_t d = 0; d < Dk; ++d) kr[d] = load_e(S.k, b * S.k_rs + h * S.k_hs + d, S.edt);
+      if (S.rope_rows > 0)
+        unrope(kr, base.cosc + pos * base.rope_rs, base.sinc + pos * base.rope_rs,
+               base.rope_style);
+      for (int64_t d = 0; d < Dv; ++d) vr[d] = load_e(S.v, b * S.v_rs + h * S.v_hs + d, S.edt);
+      if (S.rot) {  // v R
+        for (int64_t j = 0; j < Dv; ++j) vo[j] = 0.f;
+        for (int64_t i = 0; i < Dv; ++i)
+          for (int64_t j = 0; j < Dv; ++j) vo[j] += vr[i] * S.rot[i * Dv + j];
+        std::memcpy(vr, vo, sizeof(vr));
+      }
+      SType* sk = (SType*)(page + S.stage_k) + (h * C + pos % C) * Dk;
+      SType* sv = (SType*)(page + S.stage_v) + (h * C + pos % C) * Dv;
+      for (int64_t d = 0; d < Dk; ++d) sk[d] = to_store(kr[d]);
+      for (int64_t d = 0; d < Dv; ++d) sv[d] = to_store(vr[d]);
+      if (pos < SN) {
+        std::memcpy((SType*)(first + S.sink_k) + (h * SN + pos) * Dk, sk, Dk * sizeof(SType));
+        std::memcpy((SType*)(first + S.sink_v) + (h * SN + pos) * Dv, sv, Dv * sizeof(SType));
+      }
+    }
+    // ---- the full-precision tokens: sinks, then the stage from the chunk's first non-sink
+    int64_t nf = 0;
+    auto take = [&](const uint8_t* pg, int64_t ko, int64_t vo, int64_t rows, int64_t r, int64_t p) {
+      for (int64_t h = 0; h < Hkv; ++h) {
+        std::memcpy(fk.data() + ((b * Hkv + h) * Tf + nf) * Dk,
+                    (const SType*)(pg + ko) + (h * rows + r) * Dk, Dk * sizeof(SType));
+        std::memcpy(fv.data() + ((b * Hkv + h) * Tf + nf) * Dv,
+                    (const SType*)(pg + vo) + (h * rows + r) * Dv, Dv * sizeof(SType));
+      }
+      fpos[b * Tf + nf] = p;
+      fmask[b * Tf + nf] = S.window > 0 && p <= pos - S.window ? NEG_INF : 0.f;
+      ++nf;
+    };
+    for (int64_t j = 0; j < std::min(SN, L); ++j) take(first, S.sink_k, S.sink_v, SN, j, j);
+    for (int64_t j = std::max(np, SN); j < L; ++j) take(page, S.stage_k, S.stage_v, C, j % C, j);
+    for (int64_t j = nf; j < Tf; ++j) fmask[b * Tf + j] = NEG_INF;
+  }
+  Params P = base;
+  P.B = B;
+  P.Tq = 1;
+  P.Tk = nbmax * bs;
+  P.chunk = bs;
+  P.nthreads = total >= S.threads_from ? S.nthreads : 1;
+  P.q = qs.data();
+  P.mask = nullptr;
+  P.kpos = nullptr;
+  P.plo = plo.data();
+  P.phi = phi.data();
+  P.btab = S.btab;
+  P.btab_sb = S.btab_sb;
+  P.bsz = bs;
+  P.Tf = Tf;
+  P.fk = fk.data(); P.fk_sb = Hkv * Tf * Dk; P.fk_sh = Tf * Dk;
+  P.fv = fv.data(); P.fv_sb = Hkv * Tf * Dv; P.fv_sh = Tf * Dv;
+  P.fmask = fmask.data(); P.f0 = Tf; P.f1 = 0; P.f2 = 0; P.f3 = 1;
+  P.fpos = S.rope_rows > 0 ? fpos.data() : nullptr;
+  P.fpos_sb = Tf;
+  P.out = out32.data();
+  P.lse = lse.data();
+  run<KB, VB>(P);
+  // ---- the output: rotated back (o R^T) and written to the engine's rows
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const float* o = out32.data() + (b * Hq + hq) * Dv;
+      const int64_t at = b * S.o_rs + hq * S.o_hs;
+      if (S.rot) {
+        for (int64_t i = 0; i < Dv; ++i) {
+          float a = 0.f;
+          for (int64_t j = 0; j < Dv; ++j) a += o[j] * S.rot[i * Dv + j];
+          store_e(S.out, at + i, S.edt, a);
+        }
+      } else {
+        for (int64_t i = 0; i < Dv; ++i) store_e(S.out, at + i, S.edt, o[i]);
+      }
+    }
+  return 0;
+}
+
 }  // namespace
 
 // One instance per library, specialised by -D: bits, group sizes and head dims, so that every
 // inner loop has a compile-time trip count. Returns 1 (nothing run) for a Params this library
 // was not built for: a null stab says "no 8-bit metadata", but which of keys and values has
 // it is the caller's to match (cpu_ext.load with km8/vm8); a null vcb says "no VQ values".
+static bool built_for(const Params* P, int kbits, int vbits) {
+  return kbits == KVP_KB && vbits == KVP_VB && P->Dk == KVP_DK && P->Dv == KVP_DV &&
+         P->sdt == KVP_SDT && (P->klut != nullptr) == KLUT && (P->vlut != nullptr) == VLUT &&
+         (P->stab != nullptr) == (KM8 || VM8) && (P->vcb != nullptr) == (VVQ > 0) &&
+         P->Gk == KVP_GK && P->Gv == KVP_GV && (P->rope_style == 0 || P->half == KVP_HALF);
+}
+
 extern "C" int kvp_packed_attention(const Params* P, int kbits, int vbits) {
-  if (kbits != KVP_KB || vbits != KVP_VB || P->Dk != KVP_DK || P->Dv != KVP_DV ||
-      P->sdt != KVP_SDT || (P->klut != nullptr) != KLUT || (P->vlut != nullptr) != VLUT ||
-      (P->stab != nullptr) != (KM8 || VM8) || (P->vcb != nullptr) != (VVQ > 0) ||
-      P->Gk != KVP_GK || P->Gv != KVP_GV || (P->rope_style != 0 && P->half != KVP_HALF))
-    return 1;
+  if (!built_for(P, kbits, vbits)) return 1;
   run<KVP_KB, KVP_VB>(*P);
   return 0;
+}
+
+// The fused decode step (Step above): `P` holds the layer's fixed fields (the packed fields
+// as pages, specs' tables, rotary table, soft-cap); the step's fill the rest.
+extern "C" int kvp_paged_step(const Step* S, const Params* P, int kbits, int vbits) {
+  if (!built_for(P, kbits, vbits) || (S->rope_rows > 0) != (P->rope_style != 0)) return 1;
+  return step<KVP_KB, KVP_VB>(*S, *P);
 }

@@ -30,6 +30,13 @@ built with the C++ compiler (:func:`compiler`) on first use into
 ``~/.cache/kvpolicy/cpu_ext/<hash>-<config>/`` (the hash covers the source, the flags and
 the CPU's feature flags, because of ``-march=native``).
 
+Each library exports two functions: ``kvp_packed_attention`` (one softmax over the
+segments it is handed, :class:`Params`) and ``kvp_paged_step`` (one whole decode step of
+one layer over a paged cache, :class:`Step`: the new tokens' keys rotated back to pre-RoPE
+and their values rotated, both written to their block's stage, then the attention above
+over sinks, packed pages and stage, with visibility computed from the sequence lengths and
+the output rotated back into the engine's rows; :mod:`kvpolicy.kernels.cpu_step`).
+
 Two entry points: :func:`build` raises :class:`BuildError` with the compiler's output when
 a library cannot be built (what the tests call); :func:`load`, what the torch backend
 calls, turns any failure into ``None`` (the eager path runs) and logs the reason once at
@@ -54,7 +61,7 @@ import threading
 from functools import cache
 from pathlib import Path
 
-__all__ = ["BuildError", "Params", "compiler", "build", "load"]
+__all__ = ["STEP_ERRORS", "BuildError", "Params", "Step", "compiler", "build", "load"]
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +123,42 @@ class Params(ctypes.Structure):
         ("kwid", ctypes.c_void_p),
         ("btab", ctypes.c_void_p), ("btab_sb", ctypes.c_int64), ("bsz", ctypes.c_int64),
         ("vcb", ctypes.c_void_p),
+        ("plo", ctypes.c_void_p), ("phi", ctypes.c_void_p),
     ]
+
+
+class Step(ctypes.Structure):
+    """Mirror of the C ``Step`` struct: one fused decode step of one layer over paged
+    pages (``kvp_paged_step``; :class:`~kvpolicy.runtime.paged.PagedKV` fills it)."""
+
+    _fields_ = [
+        ("pages", ctypes.c_void_p),
+        *[(n, ctypes.c_int64) for n in (
+            "page_bytes", "num_blocks", "bs", "C", "sinks", "window", "stage_k", "stage_v",
+            "sink_k", "sink_v", "rope_rows")],
+        ("rot", ctypes.c_void_p),
+        ("scale", ctypes.c_float),
+        ("edt", ctypes.c_int64),
+        ("B", ctypes.c_int64),
+        ("seq_len", ctypes.c_void_p),
+        ("btab", ctypes.c_void_p), ("btab_sb", ctypes.c_int64), ("btab_n", ctypes.c_int64),
+        ("q", ctypes.c_void_p), ("q_rs", ctypes.c_int64), ("q_hs", ctypes.c_int64),
+        ("k", ctypes.c_void_p), ("k_rs", ctypes.c_int64), ("k_hs", ctypes.c_int64),
+        ("v", ctypes.c_void_p), ("v_rs", ctypes.c_int64), ("v_hs", ctypes.c_int64),
+        ("out", ctypes.c_void_p), ("o_rs", ctypes.c_int64), ("o_hs", ctypes.c_int64),
+        ("nthreads", ctypes.c_int64), ("threads_from", ctypes.c_int64),
+    ]
+
+
+# What kvp_paged_step's non-zero returns mean (the caller raises CacheError with it).
+STEP_ERRORS = {
+    1: "the CPU kernel was built for another spec",
+    2: "a sequence of the step holds no token",
+    3: "a sequence's block table has no block for its new token",
+    4: "a position is past the rotary table",
+    5: "a block table names a block outside the pages",
+    6: "q/k/v/out are not float32, bfloat16 or float16",
+}
 
 
 _lock = threading.Lock()
@@ -208,6 +250,9 @@ def build(
         raise BuildError(f"the CPU kernel {so} does not load: {e}") from e
     lib.kvp_packed_attention.argtypes = [ctypes.POINTER(Params), ctypes.c_int, ctypes.c_int]
     lib.kvp_packed_attention.restype = ctypes.c_int
+    lib.kvp_paged_step.argtypes = [ctypes.POINTER(Step), ctypes.POINTER(Params), ctypes.c_int,
+                                   ctypes.c_int]
+    lib.kvp_paged_step.restype = ctypes.c_int
     return lib
 
 

@@ -34,6 +34,7 @@ does.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,8 +42,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import CacheError
+from ..kernels import cpu_step
 from ..kernels.backend import select
 from ..kernels.contract import gather_page_rows, rope_rotate
+from ..kernels.cpu_step import FusedStep
 from ..kernels.layout import Packed, QuantSpec, RotarySpec
 from ..kernels.rotation import rotation_matrix
 
@@ -201,6 +204,20 @@ class SeqBatch:
     def query_len(self, i: int) -> int:
         return self.query_start[i + 1] - self.query_start[i]
 
+    @property
+    def decoding(self) -> bool:
+        """Whether every sequence adds one token (a decode step)."""
+        return self.cached(("decoding",), lambda: self.n > 0
+                           and self.query_start[-1] - self.query_start[0] == self.n
+                           and all(self.query_len(i) == 1 for i in range(self.n)))
+
+    def step_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``seq_lens`` and ``block_table`` as contiguous int64 CPU tensors (what the
+        fused step reads), made once per step."""
+        return self.cached(("step", ), lambda: (
+            torch.tensor(self.seq_lens, dtype=torch.int64),
+            self.block_table.to("cpu", torch.int64).contiguous()))
+
     def positions(self, device: torch.device) -> torch.Tensor:
         """``[num_tokens]`` int64: each query token's position in its sequence."""
         def make() -> torch.Tensor:
@@ -271,29 +288,39 @@ class PagedKV:
             (``lens``: each sequence's tokens, in order) returning ``[N, Hq, Dv]`` fp32;
             None: :func:`sdpa_prefill` (not for soft-capped layers, whose first prefills
             then attend over the cache).
+        fused: serve decode steps (every sequence adds one token) with the fused C++ step
+            (:class:`~kvpolicy.kernels.cpu_step.FusedStep`) where it covers the layer; False:
+            always the torch path (the fused step's reference in tests); None (default):
+            True unless the environment sets ``KVPOLICY_FUSED_STEP=0``.
     """
 
     def __init__(
         self, layout: PagedLayout, *, scale: float, rope: RotarySpec | None = None,
         value_rotation: str = "none", window: int | None = None,
         softcap: float | None = None, backend: str = "auto",
-        prefill: Callable[..., torch.Tensor] | None = None,
+        prefill: Callable[..., torch.Tensor] | None = None, fused: bool | None = None,
     ) -> None:
+        if fused is None:
+            fused = os.environ.get("KVPOLICY_FUSED_STEP", "1") not in ("0", "")
         self.layout, self.scale, self.window, self.softcap = layout, scale, window, softcap
         # Full-precision keys gain nothing from being stored before RoPE: keep them as given.
         self.rope = None if layout.key_spec.full_precision else rope
         self.value_rotation = value_rotation
-        self.backend, self.prefill = backend, prefill
+        self.backend, self.prefill, self.fused = backend, prefill, fused
         self._views: tuple[tuple, dict[str, torch.Tensor]] | None = None
+        self._step: tuple[tuple, FusedStep | None] | None = None
+        # What serves decode steps, once one has run (for the engine's log)
+        self.step_path: str | None = None if fused else "the torch path (fused=False)"
 
     # ------------------------------------------------------------------ step
 
     def forward(self, pages: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, batch: SeqBatch) -> torch.Tensor:
+                v: torch.Tensor, batch: SeqBatch, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """Attend the query tokens ``q [N, Hq, D]`` of ``batch`` over the cache and their
         own ``k [N, Hkv, D]``/``v [N, Hkv, Dv]`` (causally), then append them.
 
-        Returns ``[N, Hq, Dv]`` in ``q.dtype``.
+        Returns ``[N, Hq, Dv]`` in ``q.dtype``: ``out`` when given (written in place).
         """
         lay = self.layout
         kern = select(self.backend, q.device)
@@ -303,6 +330,79 @@ class PagedKV:
         if self._views is None or self._views[0] != key:
             self._views = (key, lay.views(pages))
         views = self._views[1]
+        if batch.decoding and self.fused:
+            step = self._fused_step(key, views, kern, q, k, v, out)
+            if step is not None:
+                lens, table = batch.step_tensors()
+                o = q.new_empty(q.shape[0], q.shape[1], lay.v_head_dim) if out is None else out
+                step(q, k, v, o, lens, table)
+                self._pack_staged(kern, views, batch)
+                return o
+        got = self._forward(kern, views, q, k, v, batch)
+        if out is None:
+            return got
+        out.copy_(got)
+        return out
+
+    def _fused_step(self, key: tuple, views: dict, kern, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, out: torch.Tensor | None) -> FusedStep | None:
+        """The layer's fused C++ step for these pages where it covers this call (the torch
+        backend on CPU, q/k/v/out of one dtype), built once per pages."""
+        if kern.name != "torch" or q.device.type != "cpu":
+            return None
+        if not (q.dtype == k.dtype == v.dtype and (out is None or out.dtype == q.dtype)):
+            return None
+        if self._step is None or self._step[0] != key:
+            lay = self.layout
+            rot = rotation_matrix(self.value_rotation, lay.v_head_dim)
+            self._step = (key, FusedStep.build(
+                lay, views, num_heads=q.shape[1], scale=self.scale, rope=self.rope,
+                rotation=rot, window=self.window, softcap=self.softcap))
+            why = cpu_step.why_not(lay, self.rope, self.window) or (
+                None if self._step[1] is not None else "the C++ kernel is unavailable")
+            self.step_path = ("the fused C++ step" if why is None
+                              else f"the torch path ({why})")
+        step = self._step[1]
+        return step if step is not None and step.num_heads == q.shape[1] else None
+
+    def _pack_staged(self, kern, views, batch: SeqBatch) -> None:
+        """Pack the chunks a fused decode step completed: each sequence whose new token
+        closed its chunk has the whole chunk in its block's stage."""
+        lay = self.layout
+        c, bs, s_n = lay.chunk, lay.block_size, lay.sinks
+
+        def make() -> tuple | None:
+            done = [i for i, n in enumerate(batch.seq_lens) if n % c == 0]
+            if not done:
+                return None
+            dev = batch.block_table.device
+            lens = torch.tensor([batch.seq_lens[i] for i in done], device=dev)
+            cstart = lens - c
+            cblk = batch.block_table[torch.tensor(done, device=dev), cstart // bs]
+            return cblk, cstart % bs, self._sink_gather(cstart, dev)
+        plan = batch.cached(("staged", c, bs, s_n), make)
+        if plan is not None:
+            cblk, off, gather = plan
+            self._pack_complete(kern, views, None, None, cblk, off, None, None, gather)
+
+    def _sink_gather(self, cstart: torch.Tensor, dev: torch.device) -> torch.Tensor | None:
+        """For chunks starting at ``cstart [n]``: the index that replaces their sink rows
+        by the chunk's first non-sink row (``[n, C, 1, 1]``), or None without any."""
+        c, s_n = self.layout.chunk, self.layout.sinks
+        if not s_n:
+            return None
+        rows = cstart[:, None] + torch.arange(c, device=dev)
+        first_ok = (s_n - cstart).clamp(min=0)  # [n] that row's index in its chunk
+        sink_rows = (rows < s_n) & (first_ok < c)[:, None]
+        if not bool(sink_rows.any()):
+            return None
+        return torch.where(sink_rows, first_ok.clamp(max=c - 1)[:, None],
+                           torch.arange(c, device=dev)[None])[..., None, None]
+
+    def _forward(self, kern, views: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 batch: SeqBatch) -> torch.Tensor:
+        """The torch path of :meth:`forward`: any step, any layout."""
+        lay = self.layout
         pos = batch.positions(q.device)
         store = lay.store_dtype
         given = k  # as the engine rotated it: what a first prefill attends with
@@ -523,13 +623,8 @@ class PagedKV:
         tok_index[seq, pos] = torch.arange(pos.shape[0], device=dev)
         fill = rows >= first_new[:, None]
         take = tok_index[cseq[:, None].expand_as(rows), rows][fill]
-        gather = None
-        if s_n:  # sink rows: a copy of the chunk's first non-sink row (read as sinks)
-            first_ok = (s_n - cstart).clamp(min=0)  # [n] that row's index in its chunk
-            sink_rows = (rows < s_n) & (first_ok < c)[:, None]
-            if bool(sink_rows.any()):
-                gather = torch.where(sink_rows, first_ok.clamp(max=c - 1)[:, None],
-                                     torch.arange(c, device=dev)[None])[..., None, None]
+        # sink rows: a copy of the chunk's first non-sink row (read as sinks)
+        gather = self._sink_gather(cstart, dev)
         plan["pack"] = (cblk, cstart % bs, fill, take, gather)
         return plan
 
@@ -562,11 +657,13 @@ class PagedKV:
     def _pack_complete(self, kern, views, k, v, cblk, off, fill, take, gather) -> None:
         """Pack the chunks this step completes (blocks ``cblk``, token offsets ``off``):
         their earlier tokens from the stage, this step's (``fill``: the rows that are new,
-        ``take``: their index in ``k``/``v``), sink rows replaced by ``gather``."""
+        ``take``: their index in ``k``/``v``; None: every row is in the stage), sink rows
+        replaced by ``gather``."""
         ck = views["stage_k"].transpose(1, 2)[cblk]  # [n, C, H, D], a copy
         cv = views["stage_v"].transpose(1, 2)[cblk]
-        ck[fill] = k[take]
-        cv[fill] = v[take]
+        if fill is not None:
+            ck[fill] = k[take]
+            cv[fill] = v[take]
         if gather is not None:
             ck = ck.gather(1, gather.expand_as(ck))
             cv = cv.gather(1, gather.expand_as(cv))
