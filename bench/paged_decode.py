@@ -2,37 +2,38 @@
 
 SmolLM2 shapes (9 query heads, 3 kv heads, head_dim 64), bf16 pages of 576 tokens,
 ``bits=2``'s served quantizer (keys per channel in groups of 12, values per token in groups
-of 32, both 2 bits with 8-bit scales and zeros, keys pre-RoPE), 4 sinks. ``--seqs``
-sequences of ``--tokens`` cached tokens each decode one token per step; the pages of the
-sequences are shuffled. Two ways to read the packed pages, timed interleaved in one run:
+of 32 Hadamard-rotated, both 2 bits with 8-bit scales and zeros, keys pre-RoPE), 4 sinks.
+``--seqs`` sequences of ``--tokens`` cached tokens each decode one token per step; the
+pages of the sequences are shuffled. Three caches, timed interleaved in one run:
 
-- ``in place``: ``decode_attention(block_table=...)``, the C++ kernel reads each
-  sequence's pages where they lie (what :class:`~kvpolicy.runtime.paged.PagedKV` does);
-- ``gathered``: the same pages first copied into one contiguous segment per sequence
-  (:func:`~kvpolicy.kernels.contract.gather_pages`), then the same kernel.
+- ``fused``: :class:`~kvpolicy.runtime.paged.PagedKV` as served, one C++ call per layer
+  per step (:class:`~kvpolicy.kernels.cpu_step.FusedStep`: un-RoPE, rotate, stage, attend,
+  rotate back) plus torch packing of the chunks a step completes;
+- ``torch path``: the same pages with ``fused=False``: the step's torch ops around the C++
+  attention kernel (what served before the fused step);
+- ``16-bit``: plain bf16 K/V pages, gathered and attended in torch, for scale.
 
-A 16-bit layout (plain bf16 K/V pages, gathered and attended in torch) is timed beside
-them for scale. Every step also appends its token (and packs a chunk every 12 steps), as
-in serving. The table shows medians of the per-step times and their ratios to in place.
+Every step also appends its token (and packs a chunk every 12 steps), as in serving. The
+table shows medians of the per-step times and their ratios to the fused step; ``--profile``
+also prints where the fused step's time goes (cProfile, one sequence count).
 
     .venv/bin/python bench/paged_decode.py [--seqs 1 8 32] [--tokens 512] [--steps 60]
-        [--layers 4] [--threads 1]
+        [--layers 4] [--threads 1] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import time
 
 import torch
 
-from kvpolicy.kernels import torch_backend
-from kvpolicy.kernels.contract import gather_pages
 from kvpolicy.kernels.layout import QuantSpec, RotarySpec
-from kvpolicy.runtime import paged as paged_mod
 from kvpolicy.runtime.paged import PagedKV, PagedLayout, SeqBatch
 
 HQ, HKV, D, BLOCK, SINKS = 9, 3, 64, 576, 4
@@ -41,31 +42,25 @@ VALUE = QuantSpec(2, 32, "token", meta_bits=8)
 FP = QuantSpec(16, 1, "token")
 
 
-def _gathering(q, k, v, k_spec, v_spec, fk, fv, *, block_table=None, **kw):
-    """The torch backend's decode attention, handed gathered pages instead of a table."""
-    if block_table is not None and k is not None:
-        k, v = gather_pages(k, block_table), gather_pages(v, block_table)
-    return torch_backend.decode_attention(q, k, v, k_spec, v_spec, fk, fv, **kw)
-
-
-GATHERING = dataclasses.replace(torch_backend.BACKEND, decode_attention=_gathering)
-
-
 class Case:
     """``layers`` paged layers with ``seqs`` sequences of ``tokens`` cached tokens; a step
     runs every layer on one batch, as an engine step does (the batch's index tensors are
     built once and shared by the layers)."""
 
     def __init__(self, key: QuantSpec, value: QuantSpec, seqs: int, tokens: int,
-                 steps: int, layers: int, rope: RotarySpec, gen: torch.Generator) -> None:
+                 steps: int, layers: int, rope: RotarySpec, gen: torch.Generator,
+                 fused: bool = True) -> None:
         self.layout = PagedLayout(key, value, num_kv_heads=HKV, head_dim=D,
                                   block_size=BLOCK, sinks=SINKS, store_dtype=torch.bfloat16)
         per = -(-(tokens + steps + 1) // BLOCK)
-        self.table = torch.randperm(seqs * per, generator=gen).view(seqs, per)
+        # int32, as vLLM's block table
+        self.table = torch.randperm(seqs * per, generator=gen).view(seqs, per).int()
         self.pages = [torch.zeros(seqs * per, self.layout.page_bytes, dtype=torch.uint8)
                       for _ in range(layers)]
         # One PagedKV per layer, as the plugin has (each keeps its own page views).
-        self.kv = [PagedKV(self.layout, scale=D ** -0.5, rope=rope, backend="torch")
+        rotation = "none" if key.full_precision else "hadamard"
+        self.kv = [PagedKV(self.layout, scale=D ** -0.5, rope=rope, backend="torch",
+                           value_rotation=rotation, fused=fused)
                    for _ in range(layers)]
         self.seqs, self.n, self.gen = seqs, tokens, gen
         start = [i * tokens for i in range(seqs + 1)]
@@ -98,6 +93,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile the fused step at the first --seqs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     inv = 1.0 / 1e5 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
@@ -107,30 +104,38 @@ def main() -> None:
     print(f"# {args.tokens} cached tokens per sequence, {args.steps} steps of "
           f"{args.layers} layers (times per layer), {args.threads} thread(s), "
           f"load {os.getloadavg()[0]:.1f}")
-    print("| sequences | in place (ms) | gathered (ms) | 16-bit pages (ms) | gathered / in place "
-          "| 16-bit / in place |")
+    print("| sequences | fused (ms) | torch path (ms) | 16-bit pages (ms) | torch path / fused "
+          "| 16-bit / fused |")
     print("|---|---|---|---|---|---|")
-    original = paged_mod.select
     for seqs in args.seqs:
         gen = torch.Generator().manual_seed(seqs)
-        cases = {"in place": Case(KEY, VALUE, seqs, args.tokens, args.steps, args.layers, rope,
-                                          gen),
-                 "gathered": Case(KEY, VALUE, seqs, args.tokens, args.steps, args.layers, rope,
-                                          gen),
+        cases = {"fused": Case(KEY, VALUE, seqs, args.tokens, args.steps, args.layers, rope,
+                               gen),
+                 "torch": Case(KEY, VALUE, seqs, args.tokens, args.steps, args.layers, rope,
+                               gen, fused=False),
                  "16-bit": Case(FP, FP, seqs, args.tokens, args.steps, args.layers, rope, gen)}
         times: dict[str, list[float]] = {name: [] for name in cases}
-        try:
-            for _ in range(args.steps):
-                for name, case in cases.items():
-                    paged_mod.select = ((lambda *a: GATHERING) if name == "gathered"
-                                        else original)
-                    times[name].append(case.step())
-        finally:
-            paged_mod.select = original
+        for _ in range(args.steps):
+            for name, case in cases.items():
+                times[name].append(case.step())
         med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-        print(f"| {seqs} | {med['in place']:.3f} | {med['gathered']:.3f} | {med['16-bit']:.3f} "
-              f"| {med['gathered'] / med['in place']:.2f}x "
-              f"| {med['16-bit'] / med['in place']:.2f}x |")
+        print(f"| {seqs} | {med['fused']:.3f} | {med['torch']:.3f} | {med['16-bit']:.3f} "
+              f"| {med['torch'] / med['fused']:.2f}x "
+              f"| {med['16-bit'] / med['fused']:.2f}x |")
+    if args.profile:
+        seqs = args.seqs[0]
+        case = Case(KEY, VALUE, seqs, args.tokens, args.steps, args.layers, rope,
+                    torch.Generator().manual_seed(seqs))
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.steps):
+            case.step()
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
+        print(f"\n# cProfile of the fused step, {seqs} sequence(s), {args.steps} steps x "
+              f"{args.layers} layers (tottime: time in the function itself)")
+        print(buf.getvalue())
 
 
 if __name__ == "__main__":

@@ -143,6 +143,7 @@ class KVPolicyAttentionImpl(AttentionImpl):
             raise KVPolicyError("KVPolicyAttentionImpl built for an engine whose "
                                 "additional_config names no kvpolicy")
         self._paged: PagedKV | None = None
+        self._said, self._index = False, -1  # the decode path logged (layer 0), layer index
 
     def _build(self, layer: torch.nn.Module, kv_cache: torch.Tensor,
                query: torch.Tensor) -> PagedKV:
@@ -170,6 +171,7 @@ class KVPolicyAttentionImpl(AttentionImpl):
                         value_rotation=pol.rotation, window=self.sliding_window,
                         softcap=self.softcap, backend="auto",
                         prefill=_fused_prefill() if same else None)
+        self._index = index
         if index == 0:
             log.info("kvpolicy: layer 0 %s; %s", layout.describe(), served.rope_why)
         return paged
@@ -191,8 +193,13 @@ class KVPolicyAttentionImpl(AttentionImpl):
         n = attn_metadata.num_actual_tokens
         batch = _step_batch(attn_metadata)
         pages = _pages(kv_cache)
-        out = self._paged.forward(pages, query[:n], key[:n], value[:n], batch)
-        output[:n] = out.reshape(output[:n].shape)
+        # written in place (by the fused decode step, or copied from the torch path)
+        self._paged.forward(pages, query[:n], key[:n], value[:n], batch,
+                            out=output[:n].view(n, self.num_heads, -1))
+        if not self._said and self._paged.step_path is not None and batch.decoding:
+            self._said = True
+            if self._index == 0:
+                log.info("kvpolicy: layer 0 runs decode steps with %s", self._paged.step_path)
         return output
 
 

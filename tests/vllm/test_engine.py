@@ -157,6 +157,26 @@ def test_tensor_parallel_2_equals_one_rank(tmp_path_factory):
     assert worst < 1e-3, f"prompt logprobs differ by {worst:.3g} between 1 and 2 ranks"
 
 
+def test_fused_decode_step_generates_what_the_torch_path_does(tmp_path_factory):
+    """At 2 bits, decode steps run the fused C++ step (one call per layer); greedy
+    generation of ragged prompts, across several key groups and a block, gives the tokens
+    of the step's torch path (``KVPOLICY_FUSED_STEP=0``), which the paged-cache tests hold
+    to the contiguous cache."""
+    path = _tiny(tmp_path_factory, "llama", vocab_size=256, initializer_range=0.2,
+                 max_position_embeddings=2048)
+    prompts = [[(7 * i + j) % 250 + 3 for i in range(n)]
+               for j, n in enumerate((3, 40, 130, 517))]
+    spec = {"model": path, "prompts": prompts, "max_tokens": 80,
+            "engine": {"dtype": "bfloat16", "skip_tokenizer_init": True,
+                       "max_model_len": 1024, "max_num_seqs": 8,
+                       "additional_config": {"kvpolicy": 2}}}
+    fused, log = run_engine(spec)
+    assert "layer 0 runs decode steps with the fused C++ step" in log
+    torch_path, log = run_engine(spec, env={"KVPOLICY_FUSED_STEP": "0"})
+    assert "layer 0 runs decode steps with the torch path (fused=False)" in log
+    assert fused["tokens"] == torch_path["tokens"]
+
+
 def test_a_policy_that_does_not_fit_is_refused(smollm2, tmp_path):
     """A policy file written for a deeper model names a layer SmolLM2 does not have."""
     bad = tmp_path / "deeper.yaml"
