@@ -15,6 +15,22 @@ bf16 pages, except a last bf16 row given the memory for 32 (what this machine do
   engine with ``max_num_batched_tokens=64``, so that later chunks read the packed cache).
 
 Each engine runs in its own process (``--worker``); ratios are against bf16 in this run.
+
+The long-context part (``--parts long``), where the KV bytes a decode step reads outweigh
+the weights, runs vLLM's bf16 cache and ``{"kvpolicy": 2}`` only:
+
+- (a) 1 request of a 7,680-token prompt and 256 output tokens, in the KV memory that holds
+  it in bf16: time to first token (a run with 1 output token) and decode tokens/s (the 255
+  later tokens over the time the full run takes beyond the first token's run);
+- (b) 8 requests of 2,048-token prompts and 256 outputs, in the KV memory that holds them
+  in bf16: output tokens/s, time to first token and decode tokens/s as in (a).
+
+Beside each row: the bytes a decode step reads at the run's mean context (the weights in
+bf16, and every cached token's KV bytes as the engine's blocks hold them: its KV memory
+over its capacity in tokens), and the ratio of bf16's bytes to the row's, which bounds the
+speed-up a cache can give when reading bytes is all a step does.
+
+    .venv-vllm/bin/python bench/vllm_serving.py --parts long     # the long part only
 """
 
 from __future__ import annotations
@@ -62,6 +78,96 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     from kvpolicy.zoo.text import pydoc_tokens
     ids = pydoc_tokens(AutoTokenizer.from_pretrained(zoo.checkpoint())).tolist()
     return [ids[(seed + i) * PROMPT * 2 : (seed + i) * PROMPT * 2 + PROMPT] for i in range(n)]
+
+
+# The long-context part: (prompt tokens, output tokens, requests) per row
+LONG = {"a: 1 x 7,680": (7680, 256, 1), "b: 8 x 2,048": (2048, 256, 8)}
+LONG_CONFIGS = ("vLLM bf16", "kvpolicy bits=2")
+
+
+def _long_prompts(prompt: int, n: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from kvpolicy import zoo
+    from kvpolicy.zoo.text import pydoc_tokens
+    ids = pydoc_tokens(AutoTokenizer.from_pretrained(zoo.checkpoint())).tolist()
+    return [ids[i * prompt : (i + 1) * prompt] for i in range(n)]
+
+
+def _weight_bytes() -> int:
+    """The model's weights in bf16: what every decode step reads besides the KV cache."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvpolicy import zoo
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(zoo.checkpoint()))
+    return 2 * sum(p.numel() for p in model.parameters())
+
+
+def long_worker(name: str, row: str) -> dict:
+    """One long-context row on one cache: TTFT, decode and output tokens/s, KV bytes."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvpolicy import zoo
+    prompt, output, n = LONG[row]
+    value = CONFIGS[name]
+    extra = {} if value is None else {"additional_config": {"kvpolicy": value}}
+    # n requests' blocks of 128 tokens in bf16, and the one block vLLM keeps back (its null
+    # block) plus one of slack
+    memory = (n * math.ceil((prompt + output) / 128) + 2) * 128 * _bf16_bytes_per_token()
+    llm = LLM(model=str(zoo.checkpoint()), dtype="bfloat16", seed=0, enforce_eager=True,
+              enable_prefix_caching=False, max_model_len=prompt + output, max_num_seqs=n,
+              kv_cache_memory_bytes=memory, **extra)
+    cc = llm.llm_engine.vllm_config.cache_config
+    out: dict = {"tokens": cc.block_size * cc.num_gpu_blocks, "kv_memory": memory}
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in _long_prompts(prompt, n)]
+    warm = [TokensPrompt(prompt_token_ids=p[:512]) for p in _long_prompts(prompt, 1)]
+    llm.generate(warm, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                 use_tqdm=False)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    full = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
+    t = time.perf_counter()
+    llm.generate(prompts, one, use_tqdm=False)
+    ttft = time.perf_counter() - t
+    t = time.perf_counter()
+    res = llm.generate(prompts, full, use_tqdm=False)
+    total = time.perf_counter() - t
+    got = sum(len(r.outputs[0].token_ids) for r in res)
+    out.update({"ttft_s": ttft, "total_s": total, "out tok/s": got / total,
+                "decode tok/s": (got - n) / max(total - ttft, 1e-9)})
+    llm.llm_engine.engine_core.shutdown()
+    return out
+
+
+def long_part() -> None:
+    weights = _weight_bytes()
+    print(f"\nLong context: weights {weights / 2**20:.1f} MiB in bf16", flush=True)
+    rows: dict = {}
+    for row in LONG:
+        for name in LONG_CONFIGS:
+            rows[(row, name)] = _run(name, "long:" + row)
+            print(row, name, json.dumps(rows[(row, name)]), flush=True)
+    print("\n| row | cache | KV tokens (x bf16) | TTFT s (x bf16) | decode tok/s (x bf16) "
+          "| out tok/s (x bf16) | bytes per step, MiB: weights + KV | bf16 bytes / these |")
+    print("|" + "---|" * 8)
+    for row, (prompt, output, n) in LONG.items():
+        base = rows[(row, "vLLM bf16")]
+        context = prompt + output / 2  # the mean context of a decode step
+        base_bytes = None
+        for name in LONG_CONFIGS:
+            r = rows[(row, name)]
+            kv = n * context * r["kv_memory"] / r["tokens"]
+            step = weights + kv
+            base_bytes = base_bytes or step
+            print(f"| {row} | {name} | {r['tokens']:,} ({r['tokens'] / base['tokens']:.2f}x) "
+                  f"| {r['ttft_s']:.2f} ({r['ttft_s'] / base['ttft_s']:.2f}x) "
+                  f"| {r['decode tok/s']:.1f} "
+                  f"({r['decode tok/s'] / base['decode tok/s']:.2f}x) "
+                  f"| {r['out tok/s']:.1f} ({r['out tok/s'] / base['out tok/s']:.2f}x) "
+                  f"| {weights / 2**20:.0f} + {kv / 2**20:.0f} "
+                  f"| {base_bytes / step:.2f}x |")
 
 
 def worker(name: str, job: str) -> dict:
@@ -126,10 +232,22 @@ def _run(name: str, job: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "JOB"), help=argparse.SUPPRESS)
+    ap.add_argument("--parts", nargs="+", choices=("short", "long"),
+                    default=["short", "long"],
+                    help="short: the 1/8/32-request table; long: the long-context rows")
     args = ap.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(worker(*args.worker)), flush=True)
+        name, job = args.worker
+        got = (long_worker(name, job[5:]) if job.startswith("long:") else worker(name, job))
+        print("RESULT " + json.dumps(got), flush=True)
         os._exit(0)  # see tests/vllm/vllm_engine.py: skip the front end's teardown
+    if "short" in args.parts:
+        short_part()
+    if "long" in args.parts:
+        long_part()
+
+
+def short_part() -> None:
     print(f"KV memory {_kv_memory() / 2**20:.1f} MiB (8 requests of {PROMPT} + {OUTPUT} "
           "tokens in bf16 pages); SmolLM2-135M bf16, vLLM CPU engine", flush=True)
     rows = {}
