@@ -107,23 +107,14 @@ template <int BITS> struct Unit {
 
 const float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// Storage type of scales, zeros and full-precision tokens (-DKVP_SDT): 0 fp32, 1 bf16,
-// 2 fp16. Read as-is and widened in registers, so a half-precision cache needs no fp32
-// copy per call.
-#if KVP_SDT == 0
-typedef float SType;
-inline float to_f32(float x) { return x; }
-#elif KVP_SDT == 1
-typedef uint16_t SType;
-inline float to_f32(uint16_t x) {
+// bf16 / fp16 bits widened to fp32 (exact).
+inline float bf16_to_f32(uint16_t x) {
   const uint32_t u = (uint32_t)x << 16;
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
-#else
-typedef uint16_t SType;
-inline float to_f32(uint16_t h) {
+inline float f16_to_f32(uint16_t h) {
 #if defined(__F16C__)
   return _cvtsh_ss(h);
 #else
@@ -143,6 +134,19 @@ inline float to_f32(uint16_t h) {
   return f;
 #endif
 }
+
+// Storage type of scales, zeros and full-precision tokens (-DKVP_SDT): 0 fp32, 1 bf16,
+// 2 fp16. Read as-is and widened in registers, so a half-precision cache needs no fp32
+// copy per call.
+#if KVP_SDT == 0
+typedef float SType;
+inline float to_f32(float x) { return x; }
+#elif KVP_SDT == 1
+typedef uint16_t SType;
+inline float to_f32(uint16_t x) { return bf16_to_f32(x); }
+#else
+typedef uint16_t SType;
+inline float to_f32(uint16_t h) { return f16_to_f32(h); }
 #endif
 constexpr int64_t Dk = KVP_DK, Dv = KVP_DV, Gk = KVP_GK, Gv = KVP_GV;
 constexpr bool KLUT = KVP_KLUT != 0, VLUT = KVP_VLUT != 0;
@@ -744,30 +748,8 @@ void run(const Params& P) {
 
 // ---- the fused decode step (kvp_paged_step)
 
-// Engine tensors (q, k, v, out) in their dtype, chosen per call (Step::edt).
-inline float bf16_to_f32(uint16_t x) {
-  const uint32_t u = (uint32_t)x << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline float f16_to_f32(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-  uint32_t u;
-  if (e == 31) {
-    u = sign | 0x7f800000u | (m << 13);
-  } else if (e != 0) {
-    u = sign | ((e + 112) << 23) | (m << 13);
-  } else {
-    const float f = std::ldexp((float)m, -24);
-    std::memcpy(&u, &f, 4);
-    u |= sign;
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-// Round to nearest even, as torch's .to(bfloat16) / .to(float16).
+// Engine tensors (q, k, v, out) in their dtype, chosen per call (Step::edt). Narrowing
+// rounds to nearest even, as torch's .to(bfloat16) / .to(float16).
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
