@@ -4,20 +4,24 @@ SmolLM2 shapes (9 query heads, 3 kv heads, head_dim 64), bf16 pages of 576 token
 ``bits=2``'s served quantizer (keys per channel in groups of 12, values per token in groups
 of 32 Hadamard-rotated, both 2 bits with 8-bit scales and zeros, keys pre-RoPE), 4 sinks.
 ``--seqs`` sequences of ``--tokens`` cached tokens each decode one token per step; the
-pages of the sequences are shuffled. Three caches, timed interleaved in one run:
+pages of the sequences are shuffled. Four caches, timed interleaved in one run:
 
 - ``fused``: :class:`~kvpolicy.runtime.paged.PagedKV` as served, one C++ call per layer
   per step (:class:`~kvpolicy.kernels.cpu_step.FusedStep`: un-RoPE, rotate, stage, attend,
-  rotate back) plus torch packing of the chunks a step completes;
+  rotate back, and pack the chunk a step completes, once every 12 steps);
+- ``fused, torch packs``: the same, but the chunk a step completes is packed by the torch
+  quantizer after the call (``FusedStep.packs = False``: how the fused step first served);
 - ``torch path``: the same pages with ``fused=False``: the step's torch ops around the C++
   attention kernel (what served before the fused step);
 - ``16-bit``: plain bf16 K/V pages, gathered and attended in torch, for scale.
 
 Every step also appends its token (and packs a chunk every 12 steps), as in serving. The
-table shows medians of the per-step times and their ratios to the fused step; ``--profile``
-also prints where the fused step's time goes (cProfile, one sequence count).
+table shows, per cache, the median over cycles of 12 steps (one chunk: 11 steps that stage
+a token and one that also packs the chunk) of the mean step time in the cycle, so the
+packing is counted, and the ratios to the fused step; ``--profile`` also prints where the
+fused step's time goes (cProfile, one sequence count).
 
-    .venv/bin/python bench/paged_decode.py [--seqs 1 8 32] [--tokens 512] [--steps 60]
+    .venv/bin/python bench/paged_decode.py [--seqs 1 8 32] [--tokens 512] [--steps 96]
         [--layers 4] [--threads 1] [--profile]
 """
 
@@ -49,7 +53,7 @@ class Case:
 
     def __init__(self, key: QuantSpec, value: QuantSpec, seqs: int, tokens: int,
                  steps: int, layers: int, rope: RotarySpec, gen: torch.Generator,
-                 fused: bool = True) -> None:
+                 fused: bool = True, packs: bool = True) -> None:
         self.layout = PagedLayout(key, value, num_kv_heads=HKV, head_dim=D,
                                   block_size=BLOCK, sinks=SINKS, store_dtype=torch.bfloat16)
         per = -(-(tokens + steps + 1) // BLOCK)
@@ -62,7 +66,7 @@ class Case:
         self.kv = [PagedKV(self.layout, scale=D ** -0.5, rope=rope, backend="torch",
                            value_rotation=rotation, fused=fused)
                    for _ in range(layers)]
-        self.seqs, self.n, self.gen = seqs, tokens, gen
+        self.seqs, self.n, self.gen, self.packs = seqs, tokens, gen, packs
         start = [i * tokens for i in range(seqs + 1)]
         batch = SeqBatch(start, [tokens] * seqs, self.table)
         for kv, pages in zip(self.kv, self.pages, strict=True):
@@ -82,6 +86,9 @@ class Case:
         batch = SeqBatch(list(range(self.seqs + 1)), [self.n] * self.seqs, self.table)
         t0 = time.perf_counter()
         for kv, pages, (q, k, v) in zip(self.kv, self.pages, qkv, strict=True):
+            step = kv.fused_step
+            if step is not None and step.packs != self.packs:  # built at the first step
+                step.packs = self.packs
             kv.forward(pages, q, k, v, batch)
         return (time.perf_counter() - t0) / len(self.pages)
 
@@ -90,12 +97,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=96, help="decode steps (cycles of 12)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", action="store_true",
                     help="cProfile the fused step at the first --seqs")
     args = ap.parse_args()
+    if args.steps < KEY.group_size:
+        ap.error(f"--steps {args.steps}: at least one cycle of {KEY.group_size} steps")
     torch.set_num_threads(args.threads)
     inv = 1.0 / 1e5 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
     ang = torch.arange(args.tokens + args.steps + 8, dtype=torch.float64)[:, None] * inv
@@ -104,13 +113,16 @@ def main() -> None:
     print(f"# {args.tokens} cached tokens per sequence, {args.steps} steps of "
           f"{args.layers} layers (times per layer), {args.threads} thread(s), "
           f"load {os.getloadavg()[0]:.1f}")
-    print("| sequences | fused (ms) | torch path (ms) | 16-bit pages (ms) | torch path / fused "
+    print("| sequences | fused (ms) | fused, torch packs (ms) | torch path (ms) "
+          "| 16-bit pages (ms) | fused, torch packs / fused | torch path / fused "
           "| 16-bit / fused |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for seqs in args.seqs:
         gen = torch.Generator().manual_seed(seqs)
         cases = {"fused": Case(KEY, VALUE, seqs, args.tokens, args.steps, args.layers, rope,
                                gen),
+                 "torch packs": Case(KEY, VALUE, seqs, args.tokens, args.steps, args.layers,
+                                     rope, gen, packs=False),
                  "torch": Case(KEY, VALUE, seqs, args.tokens, args.steps, args.layers, rope,
                                gen, fused=False),
                  "16-bit": Case(FP, FP, seqs, args.tokens, args.steps, args.layers, rope, gen)}
@@ -118,8 +130,12 @@ def main() -> None:
         for _ in range(args.steps):
             for name, case in cases.items():
                 times[name].append(case.step())
-        med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-        print(f"| {seqs} | {med['fused']:.3f} | {med['torch']:.3f} | {med['16-bit']:.3f} "
+        cyc = KEY.group_size  # the chunk: one packing step per cycle
+        med = {name: statistics.median(statistics.fmean(t[i:i + cyc])
+                                       for i in range(0, len(t) - cyc + 1, cyc)) * 1e3
+               for name, t in times.items()}
+        print(f"| {seqs} | {med['fused']:.3f} | {med['torch packs']:.3f} | {med['torch']:.3f} "
+              f"| {med['16-bit']:.3f} | {med['torch packs'] / med['fused']:.2f}x "
               f"| {med['torch'] / med['fused']:.2f}x "
               f"| {med['16-bit'] / med['fused']:.2f}x |")
     if args.profile:

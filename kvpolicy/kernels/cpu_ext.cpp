@@ -92,6 +92,9 @@ struct Step {
   const void* v; int64_t v_rs, v_hs;         // [N, Hkv, Dv]
   void* out; int64_t o_rs, o_hs;             // [N, Hq, Dv]
   int64_t nthreads, threads_from;            // threads when the step holds >= threads_from
+  // Packing a chunk the step completes (pack_chunk): 0 leaves it to the caller; else
+  // kfit / vfit are the coarser scale-table steps fit "mse" tries (0: min-max grid)
+  int64_t pack, kfit, vfit;
 };
 }
 
@@ -812,13 +815,262 @@ __attribute__((optimize("fp-contract=off"))) inline void unrope(float* kr, const
   }
 }
 
+// ---- packing a chunk the step completed (Step::pack)
+//
+// kernels.reference.encode_groups operation by operation (uniform levels: the min-max
+// grid; 8-bit metadata with its zero point in quarter steps and fit "mse"'s coarser
+// candidates, or 16-bit metadata in the storage type), with no fused multiply-add and no
+// reassociation, so codes, scales and zeros are bit-identical to the torch quantizer.
+// Fit "mse" sums a candidate's squared error in token order, as torch sums a channel's
+// group of up to 16 tokens; in another order (longer groups, per-token groups) two
+// candidates whose errors agree to fp32 rounding may swap, as kernels.triton_quant says.
+// NOTE: fp-contract=off alone keeps the loops vectorised; no-associative-math as well took
+// the packing of a bits=2 chunk (12 tokens, 3 kv heads, D=64) from 25 to 106 us, so only
+// the one order-sensitive sum (grid_error, over a group's elements) has it. The channel
+// groups' error sums run in lanes across channels, each lane in token order.
+#define KVP_EXACT __attribute__((optimize("fp-contract=off")))
+#define KVP_ORDERED __attribute__((optimize("no-associative-math", "fp-contract=off")))
+
+// The smallest index whose scale is >= need (torch.searchsorted), 255 at most; NaN: 255.
+inline int64_t scale_index(const float* stab, float need) {
+  if (!(need == need)) return 255;
+  int64_t lo = 0, hi = 256;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (stab[mid] < need) lo = mid + 1; else hi = mid;
+  }
+  return std::min<int64_t>(lo, 255);
+}
+
+// The grid of step s whose zero point is nearest `low` (reference._grid): codes of x[0..n).
+KVP_EXACT inline void grid8(const float* x, int64_t n, float s, float low, float top,
+                            uint8_t* c, float* point, float* zero) {
+  float p = std::nearbyint(-low / s * 4.f);
+  p = std::min(std::max(p, -128.f), 127.f);
+  const float z = -p * s / 4.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = std::nearbyint((x[i] - z) / s);
+    c[i] = (uint8_t)std::min(std::max(q, 0.f), top);
+  }
+  *point = p;
+  *zero = z;
+}
+
+KVP_ORDERED float grid_error(const float* x, const uint8_t* c, int64_t n, float s,
+                                  float z) {
+  float e = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float back = (float)c[i] * s + z;
+    const float d = back - x[i];
+    e += d * d;
+  }
+  return e;
+}
+
+// One group x[0..n) of uniform levels up to `top` (a float: 2**bits - 1): codes c and the
+// metadata, 8-bit (M8: a scale index and a zero point; fit coarser steps tried) or in the
+// storage type.
+template <bool M8>
+KVP_EXACT void encode_group(const float* stab, const float* x, int64_t n, float top, int64_t fit,
+                            uint8_t* c, void* scale, void* zero, int64_t at) {
+  float lo = x[0], hi = x[0];
+  for (int64_t i = 1; i < n; ++i) { lo = std::min(lo, x[i]); hi = std::max(hi, x[i]); }
+  if constexpr (M8) {
+    const float need = std::max((hi - lo) / top, std::fabs(lo) / 31.75f);  // 127 / ZERO_STEPS
+    int64_t idx = scale_index(stab, need);
+    float p, z;
+    grid8(x, n, stab[idx], lo, top, c, &p, &z);
+    if (fit > 0) {
+      float err = grid_error(x, c, n, stab[idx], z);
+      const float mid = (lo + hi) / 2.f;
+      const int64_t base = idx;
+      alignas(64) uint8_t cc[256];
+      for (int64_t k = 1; k <= fit; ++k) {
+        const int64_t j = std::max<int64_t>(base - k, 0);
+        const float s = stab[j];
+        float p2, z2;
+        grid8(x, n, s, mid - top * s / 2.f, top, cc, &p2, &z2);
+        const float e = grid_error(x, cc, n, s, z2);
+        if (e < err) {
+          err = e;
+          std::memcpy(c, cc, n);
+          idx = j;
+          p = p2;
+        }
+      }
+    }
+    ((uint8_t*)scale)[at] = (uint8_t)idx;
+    ((int8_t*)zero)[at] = (int8_t)p;
+  } else {
+    const SType zs = to_store(lo), ss = to_store((hi - lo) / top);
+    const float z = to_f32(zs), s = to_f32(ss), safe = s > 0.f ? s : 1.f;
+    for (int64_t i = 0; i < n; ++i) {
+      const float q = std::min(std::max(std::nearbyint((x[i] - z) / safe), 0.f), top);
+      c[i] = s > 0.f ? (uint8_t)q : 0;
+    }
+    ((SType*)scale)[at] = ss;
+    ((SType*)zero)[at] = zs;
+  }
+}
+
+// encode_group for the Dk channel groups of one key group at once: X [Gk][Dk] (token-major,
+// as the stage holds it), each channel its own group of Gk tokens; the same operations
+// per channel, in lanes across channels (so gcc vectorises them; the error still sums in
+// token order per channel). Codes to Cf [Gk][Dk] as floats, metadata to scale/zero [Dk].
+template <bool M8>
+KVP_EXACT void encode_channels(const float* stab, const float (*X)[Dk], const float* top,
+                               int64_t fit, float (*Cf)[Dk], void* scale, void* zero) {
+  alignas(64) float lo[Dk], hi[Dk];
+  for (int64_t d = 0; d < Dk; ++d) lo[d] = hi[d] = X[0][d];
+  for (int64_t t = 1; t < Gk; ++t)
+    for (int64_t d = 0; d < Dk; ++d) {
+      lo[d] = std::min(lo[d], X[t][d]);
+      hi[d] = std::max(hi[d], X[t][d]);
+    }
+  if constexpr (M8) {
+    alignas(64) float s[Dk], p[Dk], z[Dk];
+    int64_t idx[Dk];
+    for (int64_t d = 0; d < Dk; ++d) {
+      idx[d] = scale_index(stab, std::max((hi[d] - lo[d]) / top[d], std::fabs(lo[d]) / 31.75f));
+      s[d] = stab[idx[d]];
+    }
+    // the grid of steps s whose zero points are nearest `low` (reference._grid)
+    auto grid = [&](const float* sg, const float* low, float (*c)[Dk], float* pg, float* zg) {
+      for (int64_t d = 0; d < Dk; ++d) {
+        pg[d] = std::min(std::max(std::nearbyint(-low[d] / sg[d] * 4.f), -128.f), 127.f);
+        zg[d] = -pg[d] * sg[d] / 4.f;
+      }
+      for (int64_t t = 0; t < Gk; ++t)
+        for (int64_t d = 0; d < Dk; ++d)
+          c[t][d] = std::min(std::max(std::nearbyint((X[t][d] - zg[d]) / sg[d]), 0.f), top[d]);
+    };
+    auto error = [&](float (*c)[Dk], const float* sg, const float* zg, float* e) {
+      for (int64_t d = 0; d < Dk; ++d) e[d] = 0.f;
+      for (int64_t t = 0; t < Gk; ++t)
+        for (int64_t d = 0; d < Dk; ++d) {
+          const float back = c[t][d] * sg[d] + zg[d];
+          const float df = back - X[t][d];
+          e[d] += df * df;
+        }
+    };
+    grid(s, lo, Cf, p, z);
+    if (fit > 0) {
+      alignas(64) float err[Dk], mid[Dk], s2[Dk], low[Dk], p2[Dk], z2[Dk], e2[Dk];
+      alignas(64) float cc[Gk][Dk];
+      int64_t base[Dk];
+      error(Cf, s, z, err);
+      for (int64_t d = 0; d < Dk; ++d) {
+        mid[d] = (lo[d] + hi[d]) / 2.f;
+        base[d] = idx[d];
+      }
+      for (int64_t k = 1; k <= fit; ++k) {
+        int64_t j[Dk];
+        for (int64_t d = 0; d < Dk; ++d) {
+          j[d] = std::max<int64_t>(base[d] - k, 0);
+          s2[d] = stab[j[d]];
+          low[d] = mid[d] - top[d] * s2[d] / 2.f;
+        }
+        grid(s2, low, cc, p2, z2);
+        error(cc, s2, z2, e2);
+        for (int64_t d = 0; d < Dk; ++d) {
+          if (!(e2[d] < err[d])) continue;
+          err[d] = e2[d];
+          for (int64_t t = 0; t < Gk; ++t) Cf[t][d] = cc[t][d];
+          idx[d] = j[d];
+          p[d] = p2[d];
+        }
+      }
+    }
+    for (int64_t d = 0; d < Dk; ++d) {
+      ((uint8_t*)scale)[d] = (uint8_t)idx[d];
+      ((int8_t*)zero)[d] = (int8_t)p[d];
+    }
+  } else {
+    alignas(64) float s[Dk], z[Dk], safe[Dk];
+    for (int64_t d = 0; d < Dk; ++d) {
+      const SType zs = to_store(lo[d]), ss = to_store((hi[d] - lo[d]) / top[d]);
+      ((SType*)scale)[d] = ss;
+      ((SType*)zero)[d] = zs;
+      z[d] = to_f32(zs);
+      s[d] = to_f32(ss);
+      safe[d] = s[d] > 0.f ? s[d] : 1.f;
+    }
+    for (int64_t t = 0; t < Gk; ++t)
+      for (int64_t d = 0; d < Dk; ++d) {
+        const float q = std::min(std::max(std::nearbyint((X[t][d] - z[d]) / safe[d]), 0.f),
+                                 top[d]);
+        Cf[t][d] = s[d] > 0.f ? q : 0.f;
+      }
+  }
+}
+
+// ORs code c into a little-endian bit stream at `bit` (stream byte j at buf[j * stride]).
+inline void put_code(uint8_t* buf, int64_t stride, int64_t bit, uint32_t c) {
+  const uint32_t w = c << (bit & 7);
+  buf[(bit >> 3) * stride] |= (uint8_t)(w & 0xffu);
+  if (w >> 8) buf[((bit >> 3) + 1) * stride] |= (uint8_t)(w >> 8);
+}
+
+// Pack one chunk of C tokens into block pb at token offset `off` (a multiple of C): keys
+// and values from sk / sv, head h's token r at (h * sh + r * sr) elements (the head dim
+// contiguous), its rows r < nsink (sinks) replaced by row nsink, as runtime.paged does.
+// `P` holds the packed fields' pointers and strides.
+template <int KB, int VB>
+void pack_chunk(const Step& S, const Params& P, const SType* stk, const SType* stv,
+                int64_t ksh, int64_t ksr, int64_t vsh, int64_t vsr, int64_t nsink,
+                int64_t pb, int64_t off) {
+  const int64_t C = S.C;
+  auto src = [&](int64_t r) { return r < nsink ? nsink : r; };
+  constexpr int64_t kbytes = Gk * KB / 8, vbytes = Dv * VB / 8, ngv = Dv / Gv;
+  constexpr int64_t kms = KM8 ? 1 : sizeof(SType), vms = VM8 ? 1 : sizeof(SType);
+  for (int64_t h = 0; h < P.Hkv; ++h) {
+    const int32_t* wt = P.kwid ? P.kwid + h * Dk * 2 : nullptr;
+    alignas(64) float top[Dk];
+    for (int64_t d = 0; d < Dk; ++d) top[d] = (float)((1 << (wt ? wt[2 * d] : KB)) - 1);
+    for (int64_t g = 0; g < C / Gk; ++g) {  // keys: per channel, Gk tokens a group
+      const int64_t grp = off / Gk + g;
+      alignas(64) float X[Gk][Dk], Cf[Gk][Dk];
+      for (int64_t t = 0; t < Gk; ++t) {
+        const SType* row = stk + h * ksh + src(g * Gk + t) * ksr;
+        for (int64_t d = 0; d < Dk; ++d) X[t][d] = to_f32(row[d]);
+      }
+      encode_channels<KM8>(P.stab, X, top, S.kfit, Cf,
+                           (uint8_t*)P.ks + (pb * P.ks_sb + h * P.ks_sh + grp * Dk) * kms,
+                           (uint8_t*)P.kz + (pb * P.kz_sb + h * P.kz_sh + grp * Dk) * kms);
+      uint8_t* codes = (uint8_t*)P.kc + pb * P.kc_sb + h * P.kc_sh + grp * kbytes * Dk;
+      std::memset(codes, 0, kbytes * Dk);
+      for (int64_t t = 0; t < Gk; ++t)
+        for (int64_t d = 0; d < Dk; ++d) {
+          if (wt) put_code(codes, 1, wt[2 * d + 1] + t * wt[2 * d], (uint32_t)Cf[t][d]);
+          else put_code(codes + d, Dk, t * KB, (uint32_t)Cf[t][d]);
+        }
+    }
+    void* vs = (uint8_t*)P.vs + (pb * P.vs_sb + h * P.vs_sh) * vms;
+    void* vz = (uint8_t*)P.vz + (pb * P.vz_sb + h * P.vz_sh) * vms;
+    for (int64_t r = 0; r < C; ++r) {  // values: per token, Gv channels a group
+      const int64_t tp = off + r;
+      uint8_t* codes = (uint8_t*)P.vc + pb * P.vc_sb + h * P.vc_sh + tp * vbytes;
+      std::memset(codes, 0, vbytes);
+      const SType* row = stv + h * vsh + src(r) * vsr;
+      for (int64_t g = 0; g < ngv; ++g) {
+        alignas(64) float x[Gv];
+        alignas(64) uint8_t c[Gv];
+        for (int64_t e = 0; e < Gv; ++e) x[e] = to_f32(row[g * Gv + e]);
+        encode_group<VM8>(P.stab, x, Gv, (float)((1 << VB) - 1), S.vfit, c, vs, vz,
+                          tp * ngv + g);
+        for (int64_t e = 0; e < Gv; ++e) put_code(codes, 1, (g * Gv + e) * VB, c[e]);
+      }
+    }
+  }
+}
+
 // One decode step of one layer: per sequence, its new key (rotated back to pre-RoPE at its
 // position, where the layer has a rotary table) and value (rotated by the value rotation,
 // where there is one) go to its block's stage (and to the sinks while it is one); its query
 // attends over the sinks, the packed blocks (in place, through the block table, cut to the
 // visible tokens) and the stage up to and including the new token, in one softmax; the
-// output is rotated back and written to the engine's row in its dtype. Packing a chunk the
-// step completes is the caller's (runtime.paged). Returns 0, or what was wrong (the caller
+// output is rotated back and written to the engine's row in its dtype; with Step::pack, a
+// chunk the step completes is packed into its block (else that is the caller's). Returns 0, or what was wrong (the caller
 // raises): 2 a sequence with no token, 3 a block table too short for a sequence, 4 a
 // position past the rotary table, 5 a block id outside the pages, 6 an unknown dtype.
 template <int KB, int VB>
@@ -919,6 +1171,21 @@ int step(const Step& S, const Params& base) {
   P.out = out32.data();
   P.lse = lse.data();
   run<KB, VB>(P);
+  // ---- the chunks this step completed, packed from the stage (after attending: the step
+  // read them from the stage, as the torch path does)
+  if (S.pack) {
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t L = S.seq_len[b];
+      if (L % C) continue;
+      const int64_t* row = S.btab + b * S.btab_sb;
+      const int64_t pb = row[(L - 1) / bs], cs = L - C;
+      const uint8_t* page = S.pages + pb * S.page_bytes;
+      const int64_t first_ok = std::max<int64_t>(SN - cs, 0);  // the chunk's first non-sink
+      pack_chunk<KB, VB>(S, base, (const SType*)(page + S.stage_k),
+                         (const SType*)(page + S.stage_v), C * Dk, Dk, C * Dv, Dv,
+                         first_ok < C ? first_ok : 0, pb, cs % bs);
+    }
+  }
   // ---- the output: rotated back (o R^T) and written to the engine's rows
   for (int64_t b = 0; b < B; ++b)
     for (int64_t hq = 0; hq < Hq; ++hq) {
@@ -953,6 +1220,26 @@ static bool built_for(const Params* P, int kbits, int vbits) {
 extern "C" int kvp_packed_attention(const Params* P, int kbits, int vbits) {
   if (!built_for(P, kbits, vbits)) return 1;
   run<KVP_KB, KVP_VB>(*P);
+  return 0;
+}
+
+// Pack n chunks (Step::C tokens each, every row in the storage type, the head dim
+// contiguous) into blocks blk[i] at token offsets off[i]: chunk i's head h, token r at
+// k + i * k_sn + h * k_sh + r * k_sr elements (v likewise). Uniform levels only (the caller
+// checks, as for Step::pack). Returns 0, 5 a block outside the pages, 7 an offset that is
+// not a whole chunk inside a block; nothing is written unless every chunk is valid.
+extern "C" int kvp_pack_chunks(const Step* S, const Params* P, int kbits, int vbits,
+                               const void* k, int64_t k_sn, int64_t k_sh, int64_t k_sr,
+                               const void* v, int64_t v_sn, int64_t v_sh, int64_t v_sr,
+                               int64_t n, const int64_t* blk, const int64_t* off) {
+  if (!built_for(P, kbits, vbits)) return 1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (blk[i] < 0 || blk[i] >= S->num_blocks) return 5;
+    if (off[i] < 0 || off[i] % S->C || off[i] + S->C > S->bs) return 7;
+  }
+  for (int64_t i = 0; i < n; ++i)
+    pack_chunk<KVP_KB, KVP_VB>(*S, *P, (const SType*)k + i * k_sn, (const SType*)v + i * v_sn,
+                               k_sh, k_sr, v_sh, v_sr, 0, blk[i], off[i]);
   return 0;
 }
 

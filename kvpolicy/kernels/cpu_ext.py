@@ -30,12 +30,15 @@ built with the C++ compiler (:func:`compiler`) on first use into
 ``~/.cache/kvpolicy/cpu_ext/<hash>-<config>/`` (the hash covers the source, the flags and
 the CPU's feature flags, because of ``-march=native``).
 
-Each library exports two functions: ``kvp_packed_attention`` (one softmax over the
-segments it is handed, :class:`Params`) and ``kvp_paged_step`` (one whole decode step of
+Each library exports three functions: ``kvp_packed_attention`` (one softmax over the
+segments it is handed, :class:`Params`), ``kvp_paged_step`` (one whole decode step of
 one layer over a paged cache, :class:`Step`: the new tokens' keys rotated back to pre-RoPE
 and their values rotated, both written to their block's stage, then the attention above
 over sinks, packed pages and stage, with visibility computed from the sequence lengths and
-the output rotated back into the engine's rows; :mod:`kvpolicy.kernels.cpu_step`).
+the output rotated back into the engine's rows, then the chunks the step completed packed
+into their blocks; :mod:`kvpolicy.kernels.cpu_step`) and ``kvp_pack_chunks`` (whole chunks
+quantized and packed into blocks, what a prefill appends), both packing with the torch
+quantizer's arithmetic for uniform levels.
 
 Two entry points: :func:`build` raises :class:`BuildError` with the compiler's output when
 a library cannot be built (what the tests call); :func:`load`, what the torch backend
@@ -147,6 +150,7 @@ class Step(ctypes.Structure):
         ("v", ctypes.c_void_p), ("v_rs", ctypes.c_int64), ("v_hs", ctypes.c_int64),
         ("out", ctypes.c_void_p), ("o_rs", ctypes.c_int64), ("o_hs", ctypes.c_int64),
         ("nthreads", ctypes.c_int64), ("threads_from", ctypes.c_int64),
+        ("pack", ctypes.c_int64), ("kfit", ctypes.c_int64), ("vfit", ctypes.c_int64),
     ]
 
 
@@ -158,6 +162,7 @@ STEP_ERRORS = {
     4: "a position is past the rotary table",
     5: "a block table names a block outside the pages",
     6: "q/k/v/out are not float32, bfloat16 or float16",
+    7: "a chunk's token offset is not a whole chunk inside its block",
 }
 
 
@@ -253,6 +258,11 @@ def build(
     lib.kvp_paged_step.argtypes = [ctypes.POINTER(Step), ctypes.POINTER(Params), ctypes.c_int,
                                    ctypes.c_int]
     lib.kvp_paged_step.restype = ctypes.c_int
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.kvp_pack_chunks.argtypes = [ctypes.POINTER(Step), ctypes.POINTER(Params), ctypes.c_int,
+                                    ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, i64, i64,
+                                    ptr, ptr]
+    lib.kvp_pack_chunks.restype = ctypes.c_int
     return lib
 
 

@@ -7,10 +7,12 @@ ops: it rotates each new key back to pre-RoPE at its position, rotates each new 
 the layer's value rotation, writes both to the block's stage (and the sinks), attends the
 query over sinks, the packed pages (read in place through the block table, each sequence
 only over its own visible tokens: its length and the sliding window bound the work) and
-the stage, and writes the output, rotated back, into the engine's rows in their dtype. The
-step's only torch work left is packing a chunk the step completes (once per chunk of C
-tokens per sequence), which stays with the torch quantizer, the reference of the packed
-bytes.
+the stage, and writes the output, rotated back, into the engine's rows in their dtype. A
+chunk the step completes (once per C tokens of a sequence) is packed into its block in the
+same call, with the torch quantizer's arithmetic (bit-identical codes, scales and zeros,
+but where fit "mse" finds two candidates equal to fp32 rounding; see the kernel source),
+for uniform levels; other levels (normal, vector codes) leave packing to the caller's
+torch quantizer (:attr:`FusedStep.packs` says which).
 
 Everything fixed for a layer (the pages' field pointers and strides, the specs' tables,
 the rotary table, the checks of the specs against the pages) is resolved once, at
@@ -30,7 +32,7 @@ import torch
 from ..errors import CacheError
 from . import cpu_ext, reference
 from .cpu_call import bh_slabs, compact_rope, is_meta8, scale_table_f32, value_codebook
-from .layout import Packed, QuantSpec, RotarySpec
+from .layout import FIT_STEPS, Packed, QuantSpec, RotarySpec
 
 __all__ = ["FusedStep", "why_not"]
 
@@ -74,11 +76,28 @@ class FusedStep:
     """
 
     def __init__(self, lib: Any, params: cpu_ext.Params, step: cpu_ext.Step,
-                 key_spec: QuantSpec, value_spec: QuantSpec, keep: list, hq: int) -> None:
+                 key_spec: QuantSpec, value_spec: QuantSpec, keep: list, hq: int,
+                 store: torch.dtype) -> None:
         self._lib, self._p, self._s = lib, params, step
         self._kbits, self._vbits = key_spec.bits, value_spec.bits
         self._keep = keep  # every tensor whose pointer the struct holds
         self.num_heads = hq
+        self._can_pack = bool(step.pack)
+        self._store = store
+
+    @property
+    def packs(self) -> bool:
+        """Whether a call packs the chunks it completes (else the caller must). True where
+        the layer's levels are uniform; settable to False (the caller's torch quantizer then
+        packs, as ``bench/paged_decode.py`` compares)."""
+        return bool(self._s.pack)
+
+    @packs.setter
+    def packs(self, on: bool) -> None:
+        if on and not self._can_pack:
+            raise CacheError("this layer's levels are not uniform: the fused step cannot "
+                             "pack its chunks (the torch quantizer does)")
+        self._s.pack = int(bool(on))
 
     @classmethod
     def build(
@@ -163,6 +182,8 @@ class FusedStep:
             sink_v=fields["sink_v"].offset if layout.sinks else 0,
             rope_rows=0 if rope is None else rope.max_positions,
             scale=float(scale), threads_from=THREADS_FROM,
+            pack=int(ks.uniform and vs.uniform and not vs.vq),
+            kfit=FIT_STEPS if ks.fit == "mse" else 0, vfit=FIT_STEPS if vs.fit == "mse" else 0,
         )
         if rotation is not None:
             rot = rotation.to("cpu", torch.float32).contiguous()
@@ -171,7 +192,37 @@ class FusedStep:
                                  f"got {tuple(rot.shape)}")
             keep.append(rot)
             s.rot = rot.data_ptr()
-        return cls(lib, p, s, ks, vs, keep, num_heads)
+        return cls(lib, p, s, ks, vs, keep, num_heads, store)
+
+    def pack_chunks(self, k: torch.Tensor, v: torch.Tensor, blk: torch.Tensor,
+                    off: torch.Tensor) -> None:
+        """Quantize and pack whole chunks ``k/v [n, Hkv, C, D]`` (pre-RoPE keys, rotated
+        values, as the stage holds them) into blocks ``blk [n]`` at token offsets ``off [n]``
+        (multiples of the chunk): what :meth:`PagedKV._pack` does with the torch quantizer,
+        bit-identical to it (see the module doc). Only where :attr:`packs` holds."""
+        if not self.packs:
+            raise CacheError("this fused step does not pack (levels not uniform)")
+        s = self._s
+        n = k.shape[0]
+        if k.shape[2] != s.C or v.shape[2] != s.C or v.shape[0] != n:
+            raise CacheError(f"pack_chunks takes whole chunks of {s.C} tokens, got k "
+                             f"{tuple(k.shape)} and v {tuple(v.shape)}")
+        if k.dtype != self._store:
+            k = k.to(self._store)
+        if v.dtype != self._store:
+            v = v.to(self._store)
+        k = k if k.stride(-1) == 1 else k.contiguous()
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        blk = blk.to(torch.int64).contiguous()
+        off = off.to(torch.int64).contiguous()
+        rc = self._lib.kvp_pack_chunks(
+            ctypes.byref(s), ctypes.byref(self._p), self._kbits, self._vbits,
+            k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+            v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), n, blk.data_ptr(),
+            off.data_ptr())
+        if rc:
+            raise CacheError(f"packing chunks was refused: "
+                             f"{cpu_ext.STEP_ERRORS.get(rc, f'error {rc}')}")
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  seq_lens: torch.Tensor, block_table: torch.Tensor) -> None:

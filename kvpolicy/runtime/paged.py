@@ -209,19 +209,26 @@ class PagedKV:
         if self._views is None or self._views[0] != key:
             self._views = (key, lay.views(pages))
         views = self._views[1]
-        if batch.decoding and self.fused:
-            step = self._fused_step(key, views, kern, q, k, v, out)
-            if step is not None:
-                lens, table = batch.step_tensors()
-                o = q.new_empty(q.shape[0], q.shape[1], lay.v_head_dim) if out is None else out
-                step(q, k, v, o, lens, table)
+        # Built at the first call: decode steps run it, any step's packing uses it
+        step = self._fused_step(key, views, kern, q, k, v, out) if self.fused else None
+        if batch.decoding and step is not None:
+            lens, table = batch.step_tensors()
+            o = q.new_empty(q.shape[0], q.shape[1], lay.v_head_dim) if out is None else out
+            step(q, k, v, o, lens, table)
+            if not step.packs:
                 self._pack_staged(kern, views, batch)
-                return o
+            return o
         got = self._forward(kern, views, q, k, v, batch)
         if out is None:
             return got
         out.copy_(got)
         return out
+
+    @property
+    def fused_step(self) -> FusedStep | None:
+        """The fused step built for the current pages (None before the first call, with
+        ``fused=False``, or where it does not cover the layer)."""
+        return None if self._step is None else self._step[1]
 
     def _fused_step(self, key: tuple, views: dict, kern, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, out: torch.Tensor | None) -> FusedStep | None:
@@ -553,6 +560,10 @@ class PagedKV:
         """Pack chunks ``k/v [n, H, C, D]`` into blocks ``blk [n]`` at token offset
         ``off [n]``."""
         lay = self.layout
+        step = self.fused_step if self.fused else None
+        if step is not None and step.packs and k.shape[2] == lay.chunk and k.device.type == "cpu":
+            step.pack_chunks(k, v, blk, off)  # the torch quantizer's bytes, in one C++ call
+            return
         for name, x, spec in (("k", k, lay.key_spec), ("v", v, lay.value_spec)):
             if spec.full_precision:
                 t = torch.arange(x.shape[2], device=x.device)

@@ -60,6 +60,13 @@ CASES = {
     "hadamard-values": (QuantSpec(2, 12, "channel", meta_bits=8, fit="mse"),
                         QuantSpec(2, 32, "token", meta_bits=8), 2, 4, 64, 48, 4,
                         torch.float32, ("rotate_half", 64), None, None, "hadamard"),
+    # 3-bit codes straddle bytes; 16-bit metadata rounded to bf16 before the codes
+    "bits3-bf16-meta16": (QuantSpec(3, 8, "channel"), QuantSpec(3, 16, "token"), 2, 4, 32,
+                          32, 2, torch.bfloat16, ("rotate_half", 32), None, None, "none"),
+    # fit "mse" on values too (per token), 4-bit values, fp16 storage
+    "mse-values-fp16": (QuantSpec(2, 16, "channel", meta_bits=8, fit="mse"),
+                        QuantSpec(4, 16, "token", meta_bits=8, fit="mse"), 2, 6, 32, 32, 3,
+                        torch.float16, ("interleaved", 32), None, None, "none"),
 }
 
 
@@ -211,3 +218,46 @@ def test_a_refused_step_leaves_the_cache_as_it_was() -> None:
     with pytest.raises(CacheError, match="past the rotary table"):
         kv.forward(pages, q, k, v, SeqBatch([0, 1, 2], [21, far], table))
     assert torch.equal(pages, before)
+
+
+@pytest.mark.parametrize(("name", "packs"), [("bits2-served", True), ("channel-widths", True),
+                                             ("mqa-normal-levels-fp16", False)])
+def test_who_packs_a_completed_chunk(name: str, packs: bool) -> None:
+    """Uniform levels: the step packs the chunk it completes in the same call (the torch
+    quantizer is not called); normal levels: the torch quantizer packs it after the step."""
+    pair = Pair(name, 1, 80)
+    pair.step([pair.layout.chunk - 1])  # the next token closes the first chunk
+    kv = pair.kv[0]
+    calls = []
+    real = kv._pack
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    kv._pack = spy
+    fused, ref = pair.step([1])
+    assert kv._step[1].packs is packs
+    assert bool(calls) is not packs
+    _close(fused, ref, pair.store)
+    pair.assert_same_cache()
+
+
+def test_prefill_chunks_pack_in_cpp_and_bad_blocks_are_refused() -> None:
+    """A prefill's whole chunks are packed by the fused step's C++ packer (the torch path's
+    bytes, checked above); a block outside the pages or an offset that is not a whole
+    chunk is refused before any byte is written."""
+    pair = Pair("bits2-served", 1, 80)
+    pair.step([pair.layout.chunk * 3 + 1])
+    pair.assert_same_cache()
+    step = pair.kv[0].fused_step
+    assert step is not None and step.packs
+    pages = pair.pages[0]
+    before = pages.clone()
+    c, h, d = pair.layout.chunk, pair.hkv, pair.d
+    k = torch.randn(1, h, c, d).to(pair.store)
+    for blk, off, why in ((pages.shape[0], 0, "block outside the pages"),
+                          (0, 1, "not a whole chunk")):
+        with pytest.raises(CacheError, match=why):
+            step.pack_chunks(k, k, torch.tensor([blk]), torch.tensor([off]))
+        assert torch.equal(pages, before)
