@@ -88,7 +88,7 @@ def _source() -> str:
 # hidden keys. Reassociation alone lets gcc vectorise the dot-product reductions.
 _FLAGS = [
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-    "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC", "-pthread",
+    "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp",
 ]
 
 
@@ -240,6 +240,16 @@ def build(
                 defines = [f"-D{n}={v}" for n, v in zip(_DEFINES, config, strict=True)]
                 cmd = [cxx, *_FLAGS, *defines, str(src), "-o", str(tmp_so)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                if proc.returncode != 0:  # a compiler without OpenMP: the kernel's own threads
+                    plain = subprocess.run([c for c in cmd if c != "-fopenmp"],
+                                           capture_output=True, text=True, timeout=300)
+                    if plain.returncode == 0:
+                        log.warning("kvpolicy: %s cannot build the CPU kernel with OpenMP "
+                                    "(%s); built it with threads of its own, which do not "
+                                    "follow the engine's core binding: install the "
+                                    "compiler's OpenMP runtime (libgomp) for torch's threads",
+                                    cxx, proc.stderr.strip().splitlines()[-1:])
+                    proc = plain
                 if proc.returncode != 0:
                     raise BuildError(
                         f"{cxx} failed (exit {proc.returncode}) building the CPU kernel "

@@ -48,6 +48,7 @@ from ..kernels.cpu_step import FusedStep
 from ..kernels.layout import Packed, QuantSpec, RotarySpec
 from ..kernels.rotation import rotation_matrix
 from .page_layout import PagedField, PagedLayout
+from .paged_dense import DENSE_FROM, attend_chunk, dense_prefix
 
 __all__ = ["PagedField", "PagedLayout", "PagedKV", "SeqBatch", "sdpa_prefill"]
 
@@ -308,6 +309,13 @@ class PagedKV:
         for i, a, n, sub in many:
             if batch.seq_lens[i] == n and (self.prefill is not None or self.softcap is None):
                 fresh.append((a, n))
+                continue
+            if n >= DENSE_FROM and self.softcap is None:  # a long chunk: dequantize once
+                prefix = dense_prefix(kern, views, lay, batch.block_table[i],
+                                      batch.seq_lens[i] - n)
+                out[a : a + n] = attend_chunk(q[a : a + n], given[a : a + n], v[a : a + n],
+                                              prefix, scale=self.scale, rope=self.rope,
+                                              window=self.window)
                 continue
             qi, ki, vi = (x[a : a + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
             out[a : a + n] = self._attend(kern, views, qi, ki, vi, sub)[0].transpose(0, 1)
