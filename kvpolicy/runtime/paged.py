@@ -167,7 +167,9 @@ class PagedKV:
             ``prefill(q, k, v, lens, scale=, window=, softcap=)`` over token-major rows
             (``lens``: each sequence's tokens, in order) returning ``[N, Hq, Dv]`` fp32;
             None: :func:`sdpa_prefill` (not for soft-capped layers, whose first prefills
-            then attend over the cache).
+            then attend over the cache). A long chunk continuing a cached sequence calls it
+            with ``cached=[c]``: ``k/v`` then hold the sequence's ``c`` earlier tokens,
+            dequantized, before the chunk's (:mod:`kvpolicy.runtime.paged_dense`).
         fused: serve decode steps (every sequence adds one token) with the fused C++ step
             (:class:`~kvpolicy.kernels.cpu_step.FusedStep`) where it covers the layer; False:
             always the torch path (the fused step's reference in tests); None (default):
@@ -310,12 +312,14 @@ class PagedKV:
             if batch.seq_lens[i] == n and (self.prefill is not None or self.softcap is None):
                 fresh.append((a, n))
                 continue
-            if n >= DENSE_FROM and self.softcap is None:  # a long chunk: dequantize once
+            if n >= DENSE_FROM and (self.prefill is not None or self.softcap is None):
+                # a long chunk: the sequence's cache dequantized once
                 prefix = dense_prefix(kern, views, lay, batch.block_table[i],
                                       batch.seq_lens[i] - n)
-                out[a : a + n] = attend_chunk(q[a : a + n], given[a : a + n], v[a : a + n],
-                                              prefix, scale=self.scale, rope=self.rope,
-                                              window=self.window)
+                out[a : a + n] = attend_chunk(
+                    q[a : a + n], given[a : a + n], v[a : a + n], prefix, scale=self.scale,
+                    rope=self.rope, window=self.window, softcap=self.softcap,
+                    prefill=self.prefill)
                 continue
             qi, ki, vi = (x[a : a + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
             out[a : a + n] = self._attend(kern, views, qi, ki, vi, sub)[0].transpose(0, 1)

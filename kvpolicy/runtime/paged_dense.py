@@ -5,21 +5,25 @@ chunked prefill of a long prompt) reads every cached token once per query row in
 packed attention kernel, a decode kernel: ``n * prev`` dot products done row by row.
 Dequantizing the sequence's cache once (sinks, packed blocks, the staged tail: ``prev``
 rows) and handing them with the chunk's own tokens to torch's fused SDPA, which runs
-matrix kernels, costs one dequantization per layer instead.
+matrix kernels (or, served, vLLM's own CPU prefill kernel over a scratch cache of those
+rows), costs one dequantization per layer instead.
 
 The keys are dequantized before RoPE, as stored, and rotated at their positions; the
 chunk's own keys are the engine's (rotated) and its values are in the cache's value
 space (rotated where the layer rotates values: the caller rotates the output back). The
-softmax is SDPA's in the query dtype, so the result agrees with the packed kernel's to
-that dtype's rounding, not bit for bit. Soft-capped layers keep the packed kernel (SDPA
-has no soft-cap).
+softmax is the prefill kernel's in the query dtype, so the result agrees with the packed
+kernel's to that dtype's rounding, not bit for bit. Soft-capped layers keep the packed
+kernel unless the engine's kernel is given (SDPA has no soft-cap).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+from ..errors import CacheError
 from ..kernels.contract import rope_rotate
 from ..kernels.layout import Packed, RotarySpec
 from .page_layout import PagedLayout
@@ -73,16 +77,27 @@ def dense_prefix(kern, views: dict, layout: PagedLayout, row: torch.Tensor,
 
 def attend_chunk(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                  prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, scale: float,
-                 rope: RotarySpec | None, window: int | None) -> torch.Tensor:
+                 rope: RotarySpec | None, window: int | None, softcap: float | None = None,
+                 prefill: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of a chunk's ``q [n, Hq, D]`` (rotated by the engine) over the
     ``prefix`` of :func:`dense_prefix` and the chunk's own ``k_new [n, Hkv, D]`` (rotated)
-    and ``v_new [n, Hkv, Dv]``; ``[n, Hq, Dv]`` fp32."""
+    and ``v_new [n, Hkv, Dv]``; ``[n, Hq, Dv]`` fp32. ``prefill``: the engine's kernel
+    (``kvpolicy.vllm.prefill.FusedPrefill``, called with ``cached=``), else torch's SDPA
+    (no soft-cap)."""
     pk, pv, ppos = prefix
     n, prev = q.shape[0], pk.shape[1]
     if rope is not None:  # the stored keys to where the engine's keys are: rotated
         cos, sin = rope.cos.to(q.device), rope.sin.to(q.device)
         pk = rope_rotate(pk, cos[ppos].unsqueeze(0), sin[ppos].unsqueeze(0), rope)
     dt = q.dtype
+    if prefill is not None:
+        k = torch.cat((pk.transpose(0, 1).to(dt), k_new.to(dt)))
+        v = torch.cat((pv.transpose(0, 1).to(dt), v_new.to(dt)))
+        return prefill(q, k, v, [n], scale=scale, window=window, softcap=softcap,
+                       cached=[prev])
+    if softcap is not None:
+        raise CacheError("SDPA has no logit soft-capping: attend soft-capped chunks over "
+                         "the packed cache instead")
     k = torch.cat((pk.to(dt), k_new.transpose(0, 1).to(dt)), dim=1).unsqueeze(0)
     v = torch.cat((pv.to(dt), v_new.transpose(0, 1).to(dt)), dim=1).unsqueeze(0)
     qpos = prev + torch.arange(n, device=q.device)

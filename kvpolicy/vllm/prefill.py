@@ -29,7 +29,9 @@ class FusedPrefill:
     Called as ``prefill(q, k, v, lens, scale=, window=, softcap=)`` with token-major
     ``q [N, Hq, D]``, ``k/v [N, Hkv, D]`` (keys after RoPE) of ``len(lens)`` sequences of
     ``lens[i]`` tokens each, in order; returns ``[N, Hq, D]`` fp32. ``window``: query ``i``
-    sees keys ``i - window < j <= i``.
+    sees keys ``i - window < j <= i``. With ``cached=[c_0, ...]``, sequence ``i``'s rows in
+    ``k/v`` are its ``c_i`` earlier tokens then its ``lens[i]`` new ones (the queries are the
+    new ones, at positions ``c_i ...``): a prefill chunk continuing a cached sequence.
     """
 
     def __init__(self) -> None:
@@ -46,22 +48,24 @@ class FusedPrefill:
                                  torch.zeros(shape, dtype=dtype))
         return s
 
-    def _tables(self, lens: tuple[int, ...], hq: int, hkv: int, d: int,
-                dtype: torch.dtype, window: int, isa: str) -> tuple:
+    def _tables(self, lens: tuple[int, ...], cached: tuple[int, ...], hq: int, hkv: int,
+                d: int, dtype: torch.dtype, window: int, isa: str) -> tuple:
         """Block table, slot mapping, query starts, lengths and the kernel's scheduler
         metadata of one step (the same for every layer with these shapes: kept)."""
-        key = (lens, hq, hkv, d, dtype, window, isa)
+        key = (lens, cached, hq, hkv, d, dtype, window, isa)
         if self._index is not None and self._index[0] == key:
             return self._index[1]
-        n = torch.tensor(lens, dtype=torch.int32)
+        qn = torch.tensor(lens, dtype=torch.int32)
+        n = qn + torch.tensor(cached, dtype=torch.int32)  # each sequence's rows in all
         nb = (n + _BLOCK - 1) // _BLOCK
         first = torch.cumsum(nb, 0) - nb
         width = int(nb.max())
         table = (first[:, None] + torch.arange(width, dtype=torch.int32)).to(torch.int32)
         qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(n, 0)
+        qsl[1:] = torch.cumsum(qn, 0)
+        rsl = torch.cumsum(n, 0) - n  # where each sequence's rows start in k / v
         seq = torch.repeat_interleave(torch.arange(len(lens)), n.long())
-        pos = torch.arange(int(qsl[-1])) - qsl[:-1].long()[seq]
+        pos = torch.arange(int(n.sum())) - rsl.long()[seq]
         slot = first.long()[seq] * _BLOCK + pos
         meta = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=len(lens), num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=n,
@@ -72,13 +76,18 @@ class FusedPrefill:
         return got
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
-                 *, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+                 *, scale: float, window: int | None, softcap: float | None,
+                 cached: list[int] | None = None) -> torch.Tensor:
         hq, d = q.shape[1], q.shape[2]
         hkv, dtype = k.shape[1], q.dtype
         isa = _get_attn_isa(dtype, _BLOCK, d)
         win = -1 if window is None else int(window)
-        table, slot, qsl, n, meta, blocks = self._tables(tuple(lens), hq, hkv, d, dtype,
-                                                         win, isa)
+        cached = [0] * len(lens) if cached is None else list(cached)
+        if k.shape[0] != sum(lens) + sum(cached) or v.shape[0] != k.shape[0]:
+            raise ValueError(f"k/v must hold {sum(cached)} cached + {sum(lens)} new rows, "
+                             f"got {k.shape[0]} / {v.shape[0]}")
+        table, slot, qsl, n, meta, blocks = self._tables(tuple(lens), tuple(cached), hq, hkv,
+                                                         d, dtype, win, isa)
         kc, vc = self._caches(blocks, hkv, d, dtype)
         k, v = k.to(dtype).contiguous(), v.to(dtype).contiguous()
         ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slot, isa, k_scale=1.0, v_scale=1.0,
