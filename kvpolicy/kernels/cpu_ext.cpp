@@ -74,6 +74,12 @@ struct Params {
   // b's packed segment is visible iff plo[b] <= t < phi[b], its position is t (kpos unused),
   // and a work item reads only the key groups that hold visible tokens
   const int64_t* plo; const int64_t* phi;
+  // with plo/phi: the position of packed token t is t + ppos0 (0 for the paged step, whose
+  // token indices are positions; a transformers layer's first packed token is at ppos0)
+  int64_t ppos0;
+  // row 0 of the rotary table is position rope_off (a table that starts at the least
+  // position a sliding-window layer holds); 0 elsewhere
+  int64_t rope_off;
 };
 
 // One decode step of one layer over paged packed pages (kvp_paged_step): every sequence
@@ -98,6 +104,31 @@ struct Step {
   // Packing a chunk the step completes (pack_chunk): 0 leaves it to the caller; else
   // kfit / vfit are the coarser scale-table steps fit "mse" tries (0: min-max grid)
   int64_t pack, kfit, vfit;
+};
+
+// One decode step of one transformers layer (kvp_layer_step): every batch row adds one token
+// to a rectangular cache held as [full-precision sinks | packed body | full-precision
+// residual]. The sinks and the residual lie in one writable buffer (Params::fk/fv, Tf = at
+// tokens before the step); the new token goes to its index `at`. Fixed per layer state is
+// in Params (the packed body's fields, Tk, ppos0, the rotary table, tables, soft-cap).
+struct LStep {
+  const void* q; int64_t q_bs, q_hs;         // [B, Hq, 1, Dk] in edt, head dim contiguous
+  const void* k; int64_t k_bs, k_hs;         // [B, Hkv, 1, Dk] pre-RoPE
+  const void* v; int64_t v_bs, v_hs;         // [B, Hkv, 1, Dv]
+  void* out; int64_t o_bs, o_hs;             // [B, Hq, 1, Dv]
+  int64_t edt;                               // 0 fp32, 1 bf16, 2 fp16
+  float scale;
+  const float* rot;                          // [Dv, Dv] value rotation, or null
+  int64_t at;                                // fp-segment index of the new token
+  int64_t* fpos;                             // [>= at + 1] positions of the fp segment
+                                             // (every row alike), or null: no rotary table
+  int64_t newpos;                            // the new token's position
+  int64_t ns;                                // fp tokens held before the packed body (sinks)
+  int64_t plo;                               // packed tokens before it are out of the window
+  const uint8_t* mask; int64_t mask_bs, mask_n, mask_inv;  // bool [B|1, 1, 1, mask_n] over
+                                             // the last mask_n held tokens (rows mask_bs
+                                             // apart; inv: True hides), or null
+  int64_t nthreads, threads_from;
 };
 }
 
@@ -289,8 +320,8 @@ struct Acc { float m, l; };
 inline void rope_rows(const Params& P, float* K, int64_t nt, const int64_t* pos) {
   constexpr int64_t half = KVP_HALF;  // rotary_dim / 2, compile-time like the head dims
   for (int64_t j = 0; j < nt; ++j) {
-    const float* cs = P.cosc + pos[j] * P.rope_rs;
-    const float* sn = P.sinc + pos[j] * P.rope_rs;
+    const float* cs = P.cosc + (pos[j] - P.rope_off) * P.rope_rs;
+    const float* sn = P.sinc + (pos[j] - P.rope_off) * P.rope_rs;
     float* kr = K + j * Dk;
     if (P.rope_style == 1) {
       for (int64_t i = 0; i < half; ++i) {
@@ -450,7 +481,7 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
       if (P.rope_style != 0) {
         if (bounded) {  // positions are token indices
           alignas(64) int64_t tpos[Gk];
-          for (int64_t j = 0; j < nt; ++j) tpos[j] = g0 + j;
+          for (int64_t j = 0; j < nt; ++j) tpos[j] = g0 + j + P.ppos0;
           rope_rows(P, K, nt, tpos);
         } else {
           rope_rows(P, K, nt, pos + g0);
@@ -1222,6 +1253,106 @@ int step(const Step& S, const Params& base) {
   return 0;
 }
 
+// The transformers layer's decode step (LStep above). Returns 0, or: 8 a new key or value
+// that is NaN or Inf (nothing is written), 6 an unknown dtype.
+template <int KB, int VB>
+int layer_step(const LStep& S, const Params& base) {
+  const int64_t B = base.B, Hkv = base.Hkv, rep = base.rep, Hq = Hkv * rep;
+  const int64_t Tk = base.Tk, Tf = S.at + 1, ns = S.ns, total = Tk + Tf;
+  if (S.edt < 0 || S.edt > 2) return 6;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t d = 0; d < Dk; ++d)
+        if (!std::isfinite(load_e(S.k, b * S.k_bs + h * S.k_hs + d, S.edt))) return 8;
+      for (int64_t d = 0; d < Dv; ++d)
+        if (!std::isfinite(load_e(S.v, b * S.v_bs + h * S.v_hs + d, S.edt))) return 8;
+    }
+  // ---- append: the key as given (pre-RoPE), the value rotated (v R), to index `at`
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      SType* fk = (SType*)base.fk + b * base.fk_sb + h * base.fk_sh + S.at * Dk;
+      SType* fv = (SType*)base.fv + b * base.fv_sb + h * base.fv_sh + S.at * Dv;
+      for (int64_t d = 0; d < Dk; ++d)
+        fk[d] = to_store(load_e(S.k, b * S.k_bs + h * S.k_hs + d, S.edt));
+      alignas(64) float vr[Dv];
+      for (int64_t d = 0; d < Dv; ++d) vr[d] = load_e(S.v, b * S.v_bs + h * S.v_hs + d, S.edt);
+      if (S.rot) {
+        alignas(64) float vo[Dv];
+        for (int64_t j = 0; j < Dv; ++j) vo[j] = 0.f;
+        for (int64_t i = 0; i < Dv; ++i)
+          for (int64_t j = 0; j < Dv; ++j) vo[j] += vr[i] * S.rot[i * Dv + j];
+        std::memcpy(vr, vo, sizeof(vr));
+      }
+      for (int64_t d = 0; d < Dv; ++d) fv[d] = to_store(vr[d]);
+    }
+  if (S.fpos) S.fpos[S.at] = S.newpos;
+  // ---- visibility: held token j is fp token j (< ns), packed token j - ns, or fp token
+  // j - Tk; the mask covers the last mask_n held tokens (earlier ones hidden)
+  std::vector<int64_t> plo(B, S.plo), phi(B, Tk);
+  std::vector<float> fmask, pmask;
+  Params P = base;
+  if (S.mask) {
+    const int64_t off = total - S.mask_n;
+    auto seen = [&](int64_t b, int64_t j) {
+      const int64_t c = j - off;
+      return c >= 0 && c < S.mask_n && ((S.mask[b * S.mask_bs + c] != 0) != (S.mask_inv != 0));
+    };
+    fmask.assign(B * Tf, 0.f);
+    bool runs = true;  // every row's visible packed tokens one run up to the body's end
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t i = 0; i < Tf; ++i)
+        if (!seen(b, i < ns ? i : Tk + i)) fmask[b * Tf + i] = NEG_INF;
+      int64_t lo = Tk;
+      while (lo > plo[b] && seen(b, ns + lo - 1)) --lo;
+      for (int64_t t = plo[b]; t < lo && runs; ++t) runs = !seen(b, ns + t);
+      plo[b] = lo;
+    }
+    if (!runs) {  // a mask with holes in the body: read as an additive mask
+      pmask.assign(B * Tk, 0.f);
+      for (int64_t b = 0; b < B; ++b) {
+        plo[b] = S.plo;
+        for (int64_t t = 0; t < Tk; ++t)
+          if (!seen(b, ns + t)) pmask[b * Tk + t] = NEG_INF;
+      }
+      P.mask = pmask.data(); P.m0 = Tk; P.m1 = 0; P.m2 = 0; P.m3 = 1;
+    }
+    P.fmask = fmask.data(); P.f0 = Tf; P.f1 = 0; P.f2 = 0; P.f3 = 1;
+  }
+  std::vector<float> qs(B * Hq * Dk), out32(B * Hq * Dv), lse(B * Hq);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < Hq * Dk; ++i)
+      qs[b * Hq * Dk + i] =
+          load_e(S.q, b * S.q_bs + (i / Dk) * S.q_hs + i % Dk, S.edt) * S.scale;
+  P.Tq = 1;
+  P.Tf = Tf;
+  P.fpos = S.fpos;
+  P.fpos_sb = 0;
+  P.kpos = nullptr;
+  P.plo = plo.data();
+  P.phi = phi.data();
+  P.nthreads = B * total >= S.threads_from ? S.nthreads : 1;
+  P.q = qs.data();
+  P.out = out32.data();
+  P.lse = lse.data();
+  run<KB, VB>(P);
+  // ---- the output: rotated back (o R^T), in the engine's dtype
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const float* o = out32.data() + (b * Hq + hq) * Dv;
+      const int64_t at = b * S.o_bs + hq * S.o_hs;
+      if (S.rot) {
+        for (int64_t i = 0; i < Dv; ++i) {
+          float a = 0.f;
+          for (int64_t j = 0; j < Dv; ++j) a += o[j] * S.rot[i * Dv + j];
+          store_e(S.out, at + i, S.edt, a);
+        }
+      } else {
+        for (int64_t i = 0; i < Dv; ++i) store_e(S.out, at + i, S.edt, o[i]);
+      }
+    }
+  return 0;
+}
+
 }  // namespace
 
 // One instance per library, specialised by -D: bits, group sizes and head dims, so that every
@@ -1266,4 +1397,10 @@ extern "C" int kvp_pack_chunks(const Step* S, const Params* P, int kbits, int vb
 extern "C" int kvp_paged_step(const Step* S, const Params* P, int kbits, int vbits) {
   if (!built_for(P, kbits, vbits) || (S->rope_rows > 0) != (P->rope_style != 0)) return 1;
   return step<KVP_KB, KVP_VB>(*S, *P);
+}
+
+// The transformers layer's decode step (LStep above): `P` holds the layer's fields.
+extern "C" int kvp_layer_step(const LStep* S, const Params* P, int kbits, int vbits) {
+  if (!built_for(P, kbits, vbits) || (S->fpos != nullptr) != (P->rope_style != 0)) return 1;
+  return layer_step<KVP_KB, KVP_VB>(*S, *P);
 }

@@ -30,7 +30,7 @@ built with the C++ compiler (:func:`compiler`) on first use into
 ``~/.cache/kvpolicy/cpu_ext/<hash>-<config>/`` (the hash covers the source, the flags and
 the CPU's feature flags, because of ``-march=native``).
 
-Each library exports three functions: ``kvp_packed_attention`` (one softmax over the
+Each library exports four functions: ``kvp_packed_attention`` (one softmax over the
 segments it is handed, :class:`Params`), ``kvp_paged_step`` (one whole decode step of
 one layer over a paged cache, :class:`Step`: the new tokens' keys rotated back to pre-RoPE
 and their values rotated, both written to their block's stage, then the attention above
@@ -38,7 +38,11 @@ over sinks, packed pages and stage, with visibility computed from the sequence l
 the output rotated back into the engine's rows, then the chunks the step completed packed
 into their blocks; :mod:`kvpolicy.kernels.cpu_step`) and ``kvp_pack_chunks`` (whole chunks
 quantized and packed into blocks, what a prefill appends), both packing with the torch
-quantizer's arithmetic for uniform levels.
+quantizer's arithmetic for uniform levels, and ``kvp_layer_step`` (one decode step of one
+transformers layer, :class:`LStep`: the new key and value written into the layer's
+full-precision buffer of sinks and residual, the attention over sinks, packed body and
+residual under the model's mask and window, the output rotated back;
+:mod:`kvpolicy.runtime.layer_step`).
 
 Two entry points: :func:`build` raises :class:`BuildError` with the compiler's output when
 a library cannot be built (what the tests call); :func:`load`, what the torch backend
@@ -64,7 +68,7 @@ import threading
 from functools import cache
 from pathlib import Path
 
-__all__ = ["STEP_ERRORS", "BuildError", "Params", "Step", "compiler", "build", "load"]
+__all__ = ["STEP_ERRORS", "BuildError", "LStep", "Params", "Step", "compiler", "build", "load"]
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +131,7 @@ class Params(ctypes.Structure):
         ("btab", ctypes.c_void_p), ("btab_sb", ctypes.c_int64), ("bsz", ctypes.c_int64),
         ("vcb", ctypes.c_void_p),
         ("plo", ctypes.c_void_p), ("phi", ctypes.c_void_p),
+        ("ppos0", ctypes.c_int64), ("rope_off", ctypes.c_int64),
     ]
 
 
@@ -154,6 +159,29 @@ class Step(ctypes.Structure):
     ]
 
 
+class LStep(ctypes.Structure):
+    """Mirror of the C ``LStep`` struct: one decode step of one transformers layer
+    (``kvp_layer_step``; :class:`~kvpolicy.runtime.layer_step.LayerStep` fills it)."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("q_bs", ctypes.c_int64), ("q_hs", ctypes.c_int64),
+        ("k", ctypes.c_void_p), ("k_bs", ctypes.c_int64), ("k_hs", ctypes.c_int64),
+        ("v", ctypes.c_void_p), ("v_bs", ctypes.c_int64), ("v_hs", ctypes.c_int64),
+        ("out", ctypes.c_void_p), ("o_bs", ctypes.c_int64), ("o_hs", ctypes.c_int64),
+        ("edt", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+        ("rot", ctypes.c_void_p),
+        ("at", ctypes.c_int64),
+        ("fpos", ctypes.c_void_p),
+        ("newpos", ctypes.c_int64),
+        ("ns", ctypes.c_int64),
+        ("plo", ctypes.c_int64),
+        ("mask", ctypes.c_void_p), ("mask_bs", ctypes.c_int64), ("mask_n", ctypes.c_int64),
+        ("mask_inv", ctypes.c_int64),
+        ("nthreads", ctypes.c_int64), ("threads_from", ctypes.c_int64),
+    ]
+
+
 # What kvp_paged_step's non-zero returns mean (the caller raises CacheError with it).
 STEP_ERRORS = {
     1: "the CPU kernel was built for another spec",
@@ -163,6 +191,7 @@ STEP_ERRORS = {
     5: "a block table names a block outside the pages",
     6: "q/k/v/out are not float32, bfloat16 or float16",
     7: "a chunk's token offset is not a whole chunk inside its block",
+    8: "a new key or value holds NaN or Inf",
 }
 
 
@@ -273,6 +302,9 @@ def build(
                                     ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, i64, i64,
                                     ptr, ptr]
     lib.kvp_pack_chunks.restype = ctypes.c_int
+    lib.kvp_layer_step.argtypes = [ctypes.POINTER(LStep), ctypes.POINTER(Params), ctypes.c_int,
+                                   ctypes.c_int]
+    lib.kvp_layer_step.restype = ctypes.c_int
     return lib
 
 

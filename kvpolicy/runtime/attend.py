@@ -212,8 +212,6 @@ class KVAttend(nn.Module):
         k = self.key_layout.apply(k)
         v = self.value_layout.apply(v)
         rotation = rotation_matrix(layer_obj.value_rotation, v.shape[-1], v.device)
-        if rotation is not None:  # every stored value is v R; the output is rotated back
-            v = (v.float() @ rotation).to(v.dtype)
         start = packed.n_seen
         positions = rope = None
         if self.rope_style is not None:
@@ -222,6 +220,19 @@ class KVAttend(nn.Module):
             c, s = self._rope_rows(cos, sin)
             rope, positions = cache.rope_rows(layer_obj, c, s, self.rope_style, k.shape[0],
                                               self.rotary_sources)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        if q.shape[2] == 1 and not self.mask_by_position and (
+                mask is None or (mask.dim() == 4 and mask.dtype == torch.bool)):
+            # A decode step: one fused C++ call where it covers the layer and the step
+            # (runtime.layer_step), the value rotated and the output rotated back inside it.
+            out = packed.decode_step(q, k, v, positions, mask,
+                                     mask_inverted=self.mask_kind == "fill", scale=scale,
+                                     rope=rope, softcap=self.softcap, rotation=rotation)
+            if out is not None:
+                packed.slide()
+                return self._laid_out(out)
+        if rotation is not None:  # every stored value is v R; the output is rotated back
+            v = (v.float() @ rotation).to(v.dtype)
         if self.mask_by_position and write_positions is not None:
             start = _own_cache_start(packed, write_positions, start)
         attn_mask = None
@@ -233,7 +244,6 @@ class KVAttend(nn.Module):
                 # Columns are buffer slots (absolute positions); the keys attended are
                 # those held, from the first not evicted up to this call's last.
                 attn_mask = attn_mask[..., packed.n_evicted : start + q.shape[2]]
-        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         if q.shape[2] > 1:
             # A prefill, a prompt chunk or a new turn attends over the cache as it stands and
             # over its own keys and values in full precision (KIVI); the cache then stores
@@ -261,10 +271,13 @@ class KVAttend(nn.Module):
         packed.slide()
         if rotation is not None:
             out = (out.float() @ rotation.T).to(out.dtype)
-        if self.tokens_major:
-            return out.transpose(1, 2).contiguous().transpose(1, 2)
+        return self._laid_out(out)
+
+    def _laid_out(self, out: torch.Tensor) -> torch.Tensor:
         # One layout whatever the path (SDPA on CPU returns [B, T, H, D]-major storage):
         # the op's fake implementation promises it (output_like).
+        if self.tokens_major:
+            return out.transpose(1, 2).contiguous().transpose(1, 2)
         return out.contiguous()
 
 

@@ -52,6 +52,7 @@ from .checks import (
     data_checks,
 )
 from .growing import Growing
+from .layer_step import LayerStep
 from .memory import layer_memory
 from .positions import Positions, TokenPositions, least_position
 from .recent import Recent, check_residual_bits, recent_spec
@@ -129,6 +130,7 @@ class PackedKVLayer:
         self.chunk = math.lcm(key_spec.token_group, value_spec.token_group)
         self._chosen: tuple[torch.device, Backend] | None = None  # see _kernels
         self._reset()
+        self._step = LayerStep(self)  # the fused decode step (runtime.layer_step)
 
     # ------------------------------------------------------------------ state
 
@@ -517,6 +519,30 @@ class PackedKVLayer:
                 k_positions=kpos, fp_positions=fpos, check_positions=False,  # checked above
             )[0])
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(query.dtype)
+
+    def decode_step(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        positions: TokenPositions | None, attn_mask: torch.Tensor | None = None, *,
+        mask_inverted: bool = False, scale: float | None = None,
+        rope: RotarySpec | None = None, softcap: float | None = None,
+        rotation: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """A decode step in one fused C++ call (:mod:`kvpolicy.runtime.layer_step`):
+        ``append(key, value @ rotation, positions)`` then ``attend(query, ...)`` with the
+        output rotated back (``@ rotation.T``), or None, with nothing changed, where the
+        fused step does not cover the step (the caller then runs those two).
+
+        ``query [B, Hq, 1, D]``; ``key``/``value`` ``[B, Hkv, 1, D]`` (pre-RoPE keys where
+        the layer stores them so, the value not rotated); ``attn_mask`` a boolean
+        ``[B|1, 1, 1, seq_len + 1]`` (True: attend, or True hides with ``mask_inverted``)
+        or None; ``rope`` the step's rotary table (default: the layer's).
+        """
+        d = query.shape[-1]
+        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        return self._step(query, key, value, positions, attn_mask,
+                          mask_inverted=mask_inverted, scale=scale,
+                          rope=self.rope if rope is None else rope, softcap=softcap,
+                          rotation=rotation)
 
     def warm_up(self, query: torch.Tensor, *, rope: RotarySpec | None = None,
                 softcap: float | None = None) -> bool:

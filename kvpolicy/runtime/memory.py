@@ -39,7 +39,7 @@ def layer_memory(layer: Any) -> dict[str, Any]:
     book = sum(s.codebook.nbytes for s in (layer.key_spec, layer.value_spec) if s.codebook)
     total = sink + resid + codes + scales + zeros + pos + book
     alloc = sink + resid + book + sum(b.allocated_bytes for b in (*pk, *pv))
-    alloc += pos + layer._pos.spare_bytes
+    alloc += pos + layer._pos.spare_bytes + layer._step.spare_bytes
     fp16 = 0
     if layer._shape is not None:
         b, h, dk, dv = layer._shape

@@ -1,0 +1,344 @@
+"""The fused decode step of one transformers layer on CPU: one C++ call per layer per step.
+
+:meth:`PackedKVLayer.decode_step <kvpolicy.runtime.layer.PackedKVLayer.decode_step>` runs a
+decode step (every batch row adds one token) through :class:`LayerStep` where it covers the
+step, instead of ``append`` then ``attend`` (some forty small torch ops and checks). One call
+of ``kvp_layer_step`` (:mod:`kvpolicy.kernels.cpu_ext`) checks the new key and value are
+finite, writes the key (pre-RoPE, as the block gives it) and the value (rotated by the
+layer's value rotation) into the layer's full-precision buffer, attends the query over
+sinks, packed body and residual with one softmax (the model's boolean mask read in place,
+the sliding window as a bound on the body), and writes the output, rotated back, in the
+query's dtype.
+
+What makes that one call possible is a buffer per layer that holds the sinks and the
+residual side by side, ``[B, Hkv, sinks + residual + chunk, D]``, with room for the tokens a
+chunk collects before it is packed: the layer's ``_sink_k`` and ``_res_k`` become views of
+it (*adopting* the layer state, a copy of at most ``sinks + residual + chunk`` tokens), the
+kernel appends in place, and a step only narrows the residual's view by one token. Every
+other change to the layer (a chunk packed, a slide, a reorder, a general append) makes new
+tensors, as it always did; the next step sees that the state is no longer the one it left
+and adopts again (once per chunk of decode steps: the step that completes a chunk takes
+the general path, which packs it).
+
+Everything fixed between adoptions (the packed body's pointers and strides, the specs'
+tables, the buffer's strides, the positions of the buffered tokens) sits in a kept
+``Params`` struct; a step sets a dozen fields of an ``LStep``.
+
+The general path is the oracle: tests compare every step with it (the same kernel
+arithmetic; differences come only from the value rotation's summation order and the
+merge order of the kernel's work items).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import CacheError
+from ..kernels import cpu_ext, reference
+from ..kernels.cpu_call import bh_slabs, compact_rope, is_meta8, scale_table_f32, value_codebook
+from ..kernels.layout import RotarySpec
+from .positions import Positions, TokenPositions
+from .recent import Recent
+
+if TYPE_CHECKING:
+    from .layer import PackedKVLayer
+
+__all__ = ["ENABLED", "LayerStep", "why_not"]
+
+# Whether layers run their decode steps fused (where covered). ``KVPOLICY_LAYER_STEP=0`` at
+# import, or setting this to False, makes every step take ``append`` then ``attend`` (what
+# ``bench/local_layers.py --compare`` sets to time both in one run).
+ENABLED = os.environ.get("KVPOLICY_LAYER_STEP", "") != "0"
+
+_CPP_BITS = (1, 2, 3, 4, 8)
+_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Tokens per work item of the packed body (as the torch backend's C++ call).
+_CHUNK_TOKENS = 512
+# Threads are used when a step holds this many tokens in all (as the torch backend's).
+_THREADS_FROM = 4096
+
+
+def why_not(layer: PackedKVLayer) -> str | None:
+    """Why the fused step never covers ``layer`` (None: it may, step by step)."""
+    ks, vs = layer.key_spec, layer.value_spec
+    if ks.full_precision or vs.full_precision:
+        return "a tensor at 16 bits"
+    if ks.axis != "channel" or vs.axis != "token":
+        return f"axes {ks.axis}/{vs.axis} (the kernel reads channel keys, token values)"
+    if ks.bits not in _CPP_BITS or vs.bits not in _CPP_BITS:
+        return f"widths {ks.bits}/{vs.bits}"
+    if tuple(layer.residual_bits) != (16, 16):
+        return f"residual_bits {layer.residual_bits} (a packed residual)"
+    return None
+
+
+def _single_run(pos: Positions | TokenPositions) -> int | None:
+    """The int base of positions held as one contiguous run shared by every row, else None."""
+    runs = pos.runs
+    if len(runs) != 1 or runs[0].values is not None or not isinstance(runs[0].base, int):
+        return None
+    return runs[0].base
+
+
+class LayerStep:
+    """One transformers layer's decode step in one C++ call (see the module doc).
+
+    Held by its :class:`~kvpolicy.runtime.layer.PackedKVLayer`; :meth:`__call__` returns
+    None for a step it does not cover, having changed nothing.
+    """
+
+    def __init__(self, layer: PackedKVLayer) -> None:
+        self._layer = layer
+        # why_not(layer), asked at the first call: a layer being copied or unpickled has
+        # no attributes yet when its step is made
+        self._never: str | None | bool = False
+        self._state: tuple | None = None  # identities of the layer state last left
+        self._lib: Any = None
+        self._p: cpu_ext.Params | None = None
+        self._s = cpu_ext.LStep()
+        self._keep: list[torch.Tensor] = []
+        self._buf: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fpos: torch.Tensor | None = None
+        self._ns = self._r = 0
+        self._rope_key: tuple | None = None
+
+    # A copy of the layer (copy.deepcopy, pickle) gets a step of its own, which adopts the
+    # copied state at its first call (ctypes structs holding pointers cannot be copied).
+    def __reduce__(self):
+        return (_fresh, (self._layer,))
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes of the adopted buffer not held as tokens (its room for the next steps) and
+        of the buffered positions; 0 while the layer state is not adopted."""
+        if self._buf is None or not self._is_current():
+            return 0
+        k, v = self._buf
+        b, h, cap = k.shape[:3]
+        per_token = b * h * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())
+        extra = 0 if self._fpos is None else self._fpos.numel() * self._fpos.element_size()
+        return (cap - self._ns - self._r) * per_token + extra
+
+    def _key(self) -> tuple:
+        lay = self._layer
+        return (lay._pk, lay._pv, lay._sink_k, lay._res_k, lay._pos, lay._evicted)
+
+    def _is_current(self) -> bool:
+        s = self._state
+        return s is not None and all(a is b for a, b in zip(s, self._key(), strict=True))
+
+    # ------------------------------------------------------------------ adopt
+
+    def _adopt(self, rope: RotarySpec | None) -> bool:
+        """Move the layer's sinks and residual into a fresh buffer and build the kept
+        ``Params``; False (nothing changed) where the kernel does not cover the layer."""
+        lay = self._layer
+        b, h, dk, dv = lay._shape
+        ks, vs = lay.key_spec, lay.value_spec
+        store = lay._store_dtype()
+        if store not in _DT:
+            return False
+        k = v = None
+        if lay._n_packed:
+            k, v = lay._packed()
+            if (ks.meta8, vs.meta8) != (is_meta8(k), is_meta8(v)):
+                raise CacheError(f"stored scale/zero dtypes {k.scale.dtype}/{v.scale.dtype} "
+                                 f"do not match the metadata widths of {ks} / {vs}")
+        half = 0 if rope is None else rope.rotary_dim // 2
+        vq = (vs.vq_dim,) if vs.vq else ()
+        lib = cpu_ext.load(ks.bits, vs.bits, ks.group_size, vs.group_size, dk, dv, half,
+                           _DT[store], int(not ks.uniform), int(not vs.uniform and not vq),
+                           int(ks.meta8), int(vs.meta8), *vq)
+        if lib is None:
+            return False
+        ns, r = lay.n_sinks, lay.n_residual
+        cap = ns + lay.residual + lay.chunk
+        bk = torch.empty(b, h, cap, dk, dtype=store, device=lay._device)
+        bv = torch.empty(b, h, cap, dv, dtype=store, device=lay._device)
+        if ns:
+            bk[:, :, :ns] = lay._sink_k
+            bv[:, :, :ns] = lay._sink_v
+        if r:
+            bk[:, :, ns : ns + r] = lay._res_k.data
+            bv[:, :, ns : ns + r] = lay._res_v.data
+        fpos = None
+        if lay.pre_rope:
+            base = _single_run(lay._pos)
+            if base is None:
+                return False
+            fpos = torch.empty(cap, dtype=torch.int64)
+            fpos[:ns] = torch.arange(base, base + ns)
+            first = base + ns + lay._n_packed
+            fpos[ns : ns + r] = torch.arange(first, first + r)
+        keep: list[torch.Tensor] = [bk, bv]
+        book = value_codebook(vs, h)
+        gk = ks.group_size
+        p = cpu_ext.Params(
+            B=b, Hkv=h, Dk=dk, Dv=dv, Tk=lay._n_packed, Gk=gk, Gv=vs.group_size,
+            chunk=max(gk, _CHUNK_TOKENS // gk * gk), sdt=_DT[store],
+            stab=scale_table_f32().data_ptr() if ks.meta8 or vs.meta8 else None,
+        )
+        p.fk, p.fk_sb, p.fk_sh = bk.data_ptr(), bk.stride(0), bk.stride(1)
+        p.fv, p.fv_sb, p.fv_sh = bv.data_ptr(), bv.stride(0), bv.stride(1)
+        if k is not None:
+            for name, t in (("kc", k.codes), ("ks", k.scale), ("kz", k.zero), ("vc", v.codes),
+                            ("vs", v.scale), ("vz", v.zero)):
+                meta16 = name[1] != "c" and not is_meta8(k if name[0] == "k" else v)
+                if meta16 and t.numel() and t.dtype != store:
+                    return False  # 16-bit metadata in another dtype than the tokens
+                t, sb, sh = bh_slabs(t)
+                keep.append(t)
+                setattr(p, name, None if (name == "vz" and book is not None) else t.data_ptr())
+                setattr(p, f"{name}_sb", sb)
+                setattr(p, f"{name}_sh", sh)
+        if ks.widths is not None:
+            reference.check_widths_shape(ks, h, dk)
+            table = reference.width_table(ks, "cpu")
+            keep.append(table)
+            p.kwid = table.data_ptr()
+        if book is not None:
+            keep.append(book)
+            p.vcb = book.data_ptr()
+        for spec, field in ((ks, "klut"),) + (((vs, "vlut"),) if book is None else ()):
+            if not spec.uniform:
+                table = torch.tensor(spec.table, dtype=torch.float32)
+                keep.append(table)
+                setattr(p, field, table.data_ptr())
+        # commit: the layer's sinks and residual are now views of the buffer
+        lay._sink_k = bk[:, :, :ns] if ns else None
+        lay._sink_v = bv[:, :, :ns] if ns else None
+        if lay._res_k is not None:
+            lay._res_k = Recent(bk[:, :, ns : ns + r])
+            lay._res_v = Recent(bv[:, :, ns : ns + r])
+        self._lib, self._p, self._keep = lib, p, keep
+        self._buf, self._fpos, self._ns, self._r = (bk, bv), fpos, ns, r
+        self._half, self._rope_key, self._rope_tables = half, None, None
+        self._state = self._key()
+        return True
+
+    # ------------------------------------------------------------------ step
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: TokenPositions | None,
+        attn_mask: torch.Tensor | None, *, mask_inverted: bool, scale: float,
+        rope: RotarySpec | None, softcap: float | None, rotation: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """The step's output ``[B, Hq, 1, Dv]`` in ``q``'s dtype, the new token appended;
+        or None (nothing changed) where the fused step does not cover it. ``k``/``v``
+        ``[B, Hkv, 1, D]`` as the block gives them (the value not rotated yet), ``pos`` the
+        new token's positions (pre-RoPE layers), ``attn_mask`` the model's boolean mask
+        over the held tokens and this one (True: attend, or hides where
+        ``mask_inverted``) or None."""
+        lay = self._layer
+        if self._never is False:
+            self._never = why_not(lay)
+        if (not ENABLED or self._never is not None or lay._shape is None
+                or q.device.type != "cpu"):
+            return None
+        b, h, dk, dv = lay._shape
+        if (k.shape != (b, h, 1, dk) or v.shape != (b, h, 1, dv) or q.shape[0] != b
+                or q.shape[1] % h or q.shape[2] != 1 or q.shape[3] != dk):
+            return None
+        dt = _DT.get(q.dtype)
+        if dt is None or k.dtype != q.dtype or v.dtype != q.dtype:
+            return None
+        if lay.dtype is None and q.dtype != lay._store_dtype():
+            return None  # the general path says why
+        if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
+            return None
+        r = lay.n_residual
+        if r + 1 >= lay.residual + lay.chunk:
+            return None  # this step completes a chunk: the general path packs it
+        if lay.n_seen < lay.sinks:
+            return None  # the new token is a sink: the general path
+        if (rope is None) == lay.pre_rope or (rope is not None and (
+                rope.style not in ("rotate_half", "interleaved") or rope.rotary_dim % 2)):
+            return None
+        newpos = None
+        if lay.pre_rope:
+            if pos is None:
+                return None
+            newpos, held = _single_run(pos), _single_run(lay._pos)
+            if newpos is None or held is None or newpos != held + lay._pos.n:
+                return None
+            if held < rope.offset or newpos - rope.offset >= rope.max_positions:
+                return None  # the general path raises with the cause
+        # A sliding window is the model's mask (as for attend): the kernel turns the hidden
+        # head of the body into a bound, so a window layer reads only what it can see.
+        ns = lay.n_sinks
+        mask = None
+        if attn_mask is not None:
+            m = attn_mask
+            if (m.dtype != torch.bool or m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != 1
+                    or m.shape[0] not in (1, b) or m.stride(-1) != 1 or m.shape[3] < 2):
+                return None
+            if lay.window is None and m.shape[3] != lay.seq_len + 1:
+                return None  # the general path says what is wrong with it
+            mask = m
+        if not self._is_current() and not self._adopt(rope):
+            self._state = None
+            return None
+        p, s = self._p, self._s
+        if rope is not None:
+            if rope.rotary_dim // 2 != self._half:
+                return None
+            if self._rope_key is not rope:  # a new table (one that grew): its pointers
+                cos, sin = compact_rope(rope)
+                self._rope_tables = (cos, sin)  # kept alive while the struct points at them
+                p.cosc, p.sinc, p.rope_rs = cos.data_ptr(), sin.data_ptr(), cos.stride(0)
+                p.half, p.rope_style = self._half, 1 if rope.style == "rotate_half" else 2
+                self._rope_key = rope
+            p.ppos0, p.rope_off = _single_run(lay._pos) + ns, rope.offset
+        p.Tk = lay._n_packed
+        p.rep = q.shape[1] // h
+        p.softcap = 0.0 if softcap is None else float(softcap)
+        s.q, s.q_bs, s.q_hs = q.data_ptr(), q.stride(0), q.stride(1)
+        s.k, s.k_bs, s.k_hs = k.data_ptr(), k.stride(0), k.stride(1)
+        s.v, s.v_bs, s.v_hs = v.data_ptr(), v.stride(0), v.stride(1)
+        out = q.new_empty((b, q.shape[1], 1, dv))
+        s.out, s.o_bs, s.o_hs = out.data_ptr(), out.stride(0), out.stride(1)
+        s.edt, s.scale = dt, float(scale)
+        rot = None
+        if rotation is not None:
+            rot = rotation if (rotation.dtype == torch.float32 and rotation.is_contiguous()
+                               and rotation.device.type == "cpu") else (
+                rotation.to("cpu", torch.float32).contiguous())
+        s.rot = None if rot is None else rot.data_ptr()
+        s.at = ns + r
+        s.fpos = None if self._fpos is None else self._fpos.data_ptr()
+        s.newpos = 0 if newpos is None else newpos
+        s.ns, s.plo = ns, 0
+        if mask is None:
+            s.mask = None
+        else:
+            s.mask, s.mask_n = mask.data_ptr(), mask.shape[3]
+            s.mask_bs = mask.stride(0) if mask.shape[0] > 1 else 0
+            s.mask_inv = int(mask_inverted)
+        s.nthreads, s.threads_from = torch.get_num_threads(), _THREADS_FROM
+        rc = self._lib.kvp_layer_step(ctypes.byref(s), ctypes.byref(p), lay.key_spec.bits,
+                                      lay.value_spec.bits)
+        if rc == 8:
+            raise CacheError("key or value holds NaN or Inf; the cache was left unchanged "
+                             "(check the model in full precision, or clamp activations "
+                             "before caching)")
+        if rc:
+            raise CacheError(f"the fused decode step refused the step: "
+                             f"{cpu_ext.STEP_ERRORS.get(rc, f'error {rc}')}")
+        # commit: the residual's view grows by the token the kernel wrote
+        bk, bv = self._buf
+        self._r = r + 1
+        lay._res_k = Recent(bk[:, :, ns : ns + r + 1])
+        lay._res_v = Recent(bv[:, :, ns : ns + r + 1])
+        if pos is not None:
+            lay._pos = lay._pos.appended(pos, lay._device)
+        self._state = self._key()
+        return out
+
+
+def _fresh(layer: PackedKVLayer) -> LayerStep:
+    return LayerStep(layer)
+
