@@ -9,7 +9,9 @@ incomplete chunk packed per token, runtime.recent), with ``residual: 128`` on ev
 (the default before), and with transformers' own cache. Printed side by side from one run:
 the whole cache's bytes
 (``memory_report()``: codes, scales, zeros, sinks, residual, positions, RoPE rows) against
-fp16, what ``inspect``'s whole-cache line predicted, and the median decode step.
+fp16, what ``inspect``'s whole-cache line predicted, and the median decode step. The
+default row runs each layer's decode step as one fused C++ call (``runtime.layer_step``);
+the "unfused" row times the same policy through ``append`` then ``attend``.
 
     .venv/bin/python bench/local_layers.py
 """
@@ -25,6 +27,7 @@ import torch
 
 import kvpolicy
 from kvpolicy.policies.footprint import whole_cache
+from kvpolicy.runtime import layer_step
 from kvpolicy.zoo.tiny import tiny_model
 
 LAYER_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 3
@@ -65,14 +68,19 @@ def main() -> None:
           "figure | decode step ms | x fp cache |")
     print("|---|---|---|---|---|---|")
     print(f"| transformers (fp32) | - | - | - | {fp_ms:.2f} | 1.00 |")
-    for label, spec in (("kvpolicy bits=2", None),
-                        ("bits=2, residual_bits 8",
-                         {"defaults": {"bits": 2, "residual_bits": 8}}),
-                        ("bits=2, residual 128 everywhere",
-                         {"defaults": {"bits": 2, "residual": 128}})):
+    rows = [("kvpolicy bits=2", None, True),
+            ("bits=2, steps unfused (append + attend)", None, False),
+            ("bits=2, residual_bits 8", {"defaults": {"bits": 2, "residual_bits": 8}}, True),
+            ("bits=2, residual 128 everywhere", {"defaults": {"bits": 2, "residual": 128}},
+             True)]
+    for label, spec, fused in rows:
         model = copy.deepcopy(base)
         kvpolicy.compile_model(model, bits=2, policy=spec, progress=False)
-        cache, ms = run(model, args.tokens, args.decode)
+        layer_step.ENABLED = fused
+        try:
+            cache, ms = run(model, args.tokens, args.decode)
+        finally:
+            layer_step.ENABLED = True
         rep = cache.memory_report()
         predicted = whole_cache(kvpolicy.inspect(model), args.tokens)
         print(f"| {label} | {rep['bytes']:,} | {rep['compression']:.2f} | "

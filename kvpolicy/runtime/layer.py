@@ -290,20 +290,26 @@ class PackedKVLayer:
         n_chunks = (r - self.residual) // self.chunk if r >= self.residual + self.chunk else 0
         if n_chunks:
             n = n_chunks * self.chunk
-            # Chunks are independent groups, so quantizing them in blocks is bit-identical
-            # to quantizing them one by one; blocks bound the fp32 temporaries of a long
-            # prefill to a few _QUANT_ELEMENTS each.
-            per = max(1, _QUANT_ELEMENTS // (b * h * max(dk, value.shape[3]) * self.chunk))
-            qk = quantize_in_blocks(quantize, res_k.tokens(0, n).values(kernels.dequantize),
-                                    self.key_spec, store, per * self.chunk)
-            qv = quantize_in_blocks(quantize, res_v.tokens(0, n).values(kernels.dequantize),
-                                    self.value_spec, store, per * self.chunk)
-            # Full-precision specs have a 1-D empty scale/zero: those buffers stay empty (a
-            # vq zero [B, H, n, 0] grows with the tokens, keeping its dtype and shape).
-            pk = tuple(buf if x.dim() == 1 else buf.appended(x)
-                       for buf, x in zip(pk, qk, strict=True))
-            pv = tuple(buf if x.dim() == 1 else buf.appended(x)
-                       for buf, x in zip(pv, qv, strict=True))
+            ck = res_k.tokens(0, n).values(kernels.dequantize)
+            cv = res_v.tokens(0, n).values(kernels.dequantize)
+            # The chunks of a decode step packed in C++ where the fused step can (the torch
+            # quantizer's arithmetic, bit-identical; runtime.layer_step), else in torch.
+            got = self._step.pack(ck, cv, pk, pv)
+            if got is not None:
+                pk, pv = got
+            else:
+                # Chunks are independent groups, so quantizing them in blocks is
+                # bit-identical to quantizing them one by one; blocks bound the fp32
+                # temporaries of a long prefill to a few _QUANT_ELEMENTS each.
+                per = max(1, _QUANT_ELEMENTS // (b * h * max(dk, value.shape[3]) * self.chunk))
+                qk = quantize_in_blocks(quantize, ck, self.key_spec, store, per * self.chunk)
+                qv = quantize_in_blocks(quantize, cv, self.value_spec, store, per * self.chunk)
+                # Full-precision specs have a 1-D empty scale/zero: those buffers stay empty
+                # (a vq zero [B, H, n, 0] grows with the tokens, keeping its dtype and shape).
+                pk = tuple(buf if x.dim() == 1 else buf.appended(x)
+                           for buf, x in zip(pk, qk, strict=True))
+                pv = tuple(buf if x.dim() == 1 else buf.appended(x)
+                           for buf, x in zip(pv, qv, strict=True))
             n_packed += n
             res_k, res_v = res_k.tokens(n).contiguous(), res_v.tokens(n).contiguous()
         new_pos = self._pos

@@ -6,9 +6,15 @@ step, instead of ``append`` then ``attend`` (some forty small torch ops and chec
 of ``kvp_layer_step`` (:mod:`kvpolicy.kernels.cpu_ext`) checks the new key and value are
 finite, writes the key (pre-RoPE, as the block gives it) and the value (rotated by the
 layer's value rotation) into the layer's full-precision buffer, attends the query over
-sinks, packed body and residual with one softmax (the model's boolean mask read in place,
-the sliding window as a bound on the body), and writes the output, rotated back, in the
-query's dtype.
+sinks, packed body and residual with one softmax (the model's boolean mask read in place: a
+hidden head of the body, a sliding window's, becomes a bound, so those groups are not read;
+a mask with holes becomes an additive mask), and writes the output, rotated back, in the
+query's dtype. RoPE rows come from the step's table, whose row 0 may be a later position
+(``Params.rope_off``: a local group's table starts at its least held position).
+
+A chunk a decode step completes is packed by :meth:`LayerStep.pack` in one
+``kvp_pack_chunks`` call (uniform levels: the torch quantizer's arithmetic, bit-identical),
+written in place into the packed body's growing buffers.
 
 What makes that one call possible is a buffer per layer that holds the sinks and the
 residual side by side, ``[B, Hkv, sinks + residual + chunk, D]``, with room for the tokens a
@@ -26,7 +32,8 @@ tables, the buffer's strides, the positions of the buffered tokens) sits in a ke
 
 The general path is the oracle: tests compare every step with it (the same kernel
 arithmetic; differences come only from the value rotation's summation order and the
-merge order of the kernel's work items).
+merge order of the kernel's work items) and the held state after every step (identical,
+packed chunks included).
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import torch
 from ..errors import CacheError
 from ..kernels import cpu_ext, reference
 from ..kernels.cpu_call import bh_slabs, compact_rope, is_meta8, scale_table_f32, value_codebook
-from ..kernels.layout import RotarySpec
+from ..kernels.layout import FIT_STEPS, RotarySpec
 from .positions import Positions, TokenPositions
 from .recent import Recent
 
@@ -105,6 +112,8 @@ class LayerStep:
         self._fpos: torch.Tensor | None = None
         self._ns = self._r = 0
         self._rope_key: tuple | None = None
+        self.steps = 0  # decode steps run fused
+        self.chunks_packed = 0  # chunks (per batch row) packed in C++
 
     # A copy of the layer (copy.deepcopy, pickle) gets a step of its own, which adopts the
     # copied state at its first call (ctypes structs holding pointers cannot be copied).
@@ -219,6 +228,60 @@ class LayerStep:
         self._half, self._rope_key, self._rope_tables = half, None, None
         self._state = self._key()
         return True
+
+    # ------------------------------------------------------------------ pack
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor, pk: tuple, pv: tuple
+             ) -> tuple[tuple, tuple] | None:
+        """Whole chunks ``k/v [B, Hkv, n, D]`` (the residual's oldest tokens, in the storage
+        dtype) quantized and packed onto the packed body's buffers ``pk``/``pv`` (tuples of
+        :class:`~kvpolicy.runtime.growing.Growing`: codes, scale, zero) in one C++ call
+        (``kvp_pack_chunks``, the torch quantizer's arithmetic), returning the grown
+        buffers; None (nothing written that the layer holds) where it does not cover them:
+        levels other than uniform, a layer this step has not adopted yet (a prefill, whose
+        chunks the torch quantizer packs), an empty body."""
+        lay = self._layer
+        ks, vs = lay.key_spec, lay.value_spec
+        if (not ENABLED or self._lib is None or self._never is not None or not ks.uniform
+                or not vs.uniform or vs.vq or k.device.type != "cpu"
+                or any(buf.data is None for buf in (*pk, *pv))):
+            return None
+        b, h, n, _ = k.shape
+        c, gk = lay.chunk, ks.group_size
+        if n % c or k.dtype != lay._store_dtype() or v.dtype != k.dtype:
+            return None
+        nc = n // c
+        grown = []
+        for buf, add in zip((*pk, *pv), (n // gk,) * 3 + (n,) * 3, strict=True):
+            d = buf.data
+            # room for the chunks (uninitialised: the kernel writes every byte of it)
+            grown.append(buf.appended(d.new_empty((*d.shape[:2], add, *d.shape[3:]))))
+        p = self._p
+        for name, g in zip(("kc", "ks", "kz", "vc", "vs", "vz"), grown, strict=True):
+            add = g.n - (pk if name[0] == "k" else pv)[0].n
+            region = g.data.narrow(2, g.start + g.n - add, add)
+            setattr(p, name, region.data_ptr())
+            setattr(p, f"{name}_sb", region.stride(0))
+            setattr(p, f"{name}_sh", region.stride(1))
+        self._state = None  # the body moves: the next step adopts again
+        st = cpu_ext.Step(num_blocks=b, bs=n, C=c,
+                          kfit=FIT_STEPS if ks.fit == "mse" else 0,
+                          vfit=FIT_STEPS if vs.fit == "mse" else 0)
+        # chunk i of row r: [B, nc, Hkv, C, D], one contiguous copy of the chunks' tokens
+        kc = k.reshape(b, h, nc, c, -1).transpose(1, 2).contiguous()
+        vc = v.reshape(b, h, nc, c, -1).transpose(1, 2).contiguous()
+        blk = torch.arange(b).repeat_interleave(nc)
+        off = (torch.arange(nc) * c).repeat(b)
+        rc = self._lib.kvp_pack_chunks(
+            ctypes.byref(st), ctypes.byref(p), ks.bits, vs.bits,
+            kc.data_ptr(), kc.stride(1), kc.stride(2), kc.stride(3),
+            vc.data_ptr(), vc.stride(1), vc.stride(2), vc.stride(3), b * nc,
+            blk.data_ptr(), off.data_ptr())
+        if rc:
+            raise CacheError(f"packing chunks was refused: "
+                             f"{cpu_ext.STEP_ERRORS.get(rc, f'error {rc}')}")
+        self.chunks_packed += b * nc
+        return tuple(grown[:3]), tuple(grown[3:])
 
     # ------------------------------------------------------------------ step
 
@@ -336,6 +399,7 @@ class LayerStep:
         if pos is not None:
             lay._pos = lay._pos.appended(pos, lay._device)
         self._state = self._key()
+        self.steps += 1
         return out
 
 

@@ -12,7 +12,9 @@ window, evictions. What must hold after every step:
   by a rounding of the storage dtype, so there the state is compared through the outputs;
 - the outputs agree within 2e-6 of their scale (fp32 storage: the kernel sums the same
   terms, grouped differently) or one rounding of the storage dtype (fp16 / bf16);
-- the fused step did run (every step but those that complete a chunk or add a sink).
+- the fused step did run (every step but those that complete a chunk or add a sink), and
+  the chunks completed by decode steps were packed in C++ (uniform levels): the states'
+  equality then says the C++ packing is bit-identical to the torch quantizer.
 """
 
 from __future__ import annotations
@@ -162,6 +164,11 @@ def test_fused_layer_step_equals_the_general_path(name: str) -> None:
     fused, taken = _run(name)
     # every step runs fused but those that complete a chunk (and, at the start, sinks)
     assert taken >= STEPS - STEPS // fused.chunk - 2 - 1, (taken, fused.chunk)
+    assert fused._step.steps == taken
+    # the chunks those steps complete are packed in C++ (uniform levels), bit-identical
+    # to the oracle's torch quantizer (the states compared after every step)
+    uniform = fused.key_spec.uniform and fused.value_spec.uniform and not fused.value_spec.vq
+    assert (fused._step.chunks_packed >= B) == uniform, fused._step.chunks_packed
 
 
 def test_model_dtype_bf16_steps() -> None:
