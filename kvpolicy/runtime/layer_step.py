@@ -300,8 +300,8 @@ class LayerStep:
         if self._never is False:
             self._never = why_not(lay)
         if (not ENABLED or self._never is not None or lay._shape is None
-                or q.device.type != "cpu"):
-            return None
+                or q.device.type != "cpu" or lay.kernels(q.device).name != "torch"):
+            return None  # (a layer built for the Triton kernels keeps them, as on a GPU)
         b, h, dk, dv = lay._shape
         if (k.shape != (b, h, 1, dk) or v.shape != (b, h, 1, dv) or q.shape[0] != b
                 or q.shape[1] % h or q.shape[2] != 1 or q.shape[3] != dk):

@@ -237,3 +237,12 @@ def test_a_residual_held_at_8_bits_keeps_the_general_path() -> None:
     lay.append(torch.randn(1, 2, 20, 32), torch.randn(1, 2, 20, 32))
     assert lay.decode_step(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32),
                            torch.randn(1, 2, 1, 32), None) is None
+
+
+def test_a_layer_built_for_triton_keeps_its_kernels() -> None:
+    lay = PackedKVLayer(QuantSpec(2, 16, "channel"), QuantSpec(2, 16, "token"), residual=8,
+                        sinks=0, backend="triton")
+    pytest.importorskip("triton")
+    lay.append(torch.randn(1, 2, 20, 32), torch.randn(1, 2, 20, 32))
+    assert lay.decode_step(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32),
+                           torch.randn(1, 2, 1, 32), None) is None
