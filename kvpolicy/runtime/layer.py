@@ -292,8 +292,7 @@ class PackedKVLayer:
             n = n_chunks * self.chunk
             ck = res_k.tokens(0, n).values(kernels.dequantize)
             cv = res_v.tokens(0, n).values(kernels.dequantize)
-            # The chunks of a decode step packed in C++ where the fused step can (the torch
-            # quantizer's arithmetic, bit-identical; runtime.layer_step), else in torch.
+            # Packed in C++ where the fused step can (bit-identical; runtime.layer_step).
             got = self._step.pack(ck, cv, pk, pv)
             if got is not None:
                 pk, pv = got
@@ -533,18 +532,11 @@ class PackedKVLayer:
         rope: RotarySpec | None = None, softcap: float | None = None,
         rotation: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """A decode step in one fused C++ call (:mod:`kvpolicy.runtime.layer_step`):
-        ``append(key, value @ rotation, positions)`` then ``attend(query, ...)`` with the
-        output rotated back (``@ rotation.T``), or None, with nothing changed, where the
-        fused step does not cover the step (the caller then runs those two).
-
-        ``query [B, Hq, 1, D]``; ``key``/``value`` ``[B, Hkv, 1, D]`` (pre-RoPE keys where
-        the layer stores them so, the value not rotated); ``attn_mask`` a boolean
-        ``[B|1, 1, 1, seq_len + 1]`` (True: attend, or True hides with ``mask_inverted``)
-        or None; ``rope`` the step's rotary table (default: the layer's).
-        """
-        d = query.shape[-1]
-        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        """``append(key, value @ rotation, positions)`` then ``attend(query, ...) @
+        rotation.T`` in one fused C++ call (:mod:`kvpolicy.runtime.layer_step`; ``[B, H, 1,
+        D]`` each, ``attn_mask`` boolean ``[B|1, 1, 1, seq_len + 1]``, True hiding with
+        ``mask_inverted``), or None, nothing changed, where it does not cover the step."""
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
         return self._step(query, key, value, positions, attn_mask,
                           mask_inverted=mask_inverted, scale=scale,
                           rope=self.rope if rope is None else rope, softcap=softcap,

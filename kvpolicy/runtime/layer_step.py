@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -50,9 +50,6 @@ from ..kernels.cpu_call import bh_slabs, compact_rope, is_meta8, scale_table_f32
 from ..kernels.layout import FIT_STEPS, RotarySpec
 from .positions import Positions, TokenPositions
 from .recent import Recent
-
-if TYPE_CHECKING:
-    from .layer import PackedKVLayer
 
 __all__ = ["ENABLED", "LayerStep", "why_not"]
 
@@ -69,8 +66,9 @@ _CHUNK_TOKENS = 512
 _THREADS_FROM = 4096
 
 
-def why_not(layer: PackedKVLayer) -> str | None:
-    """Why the fused step never covers ``layer`` (None: it may, step by step)."""
+def why_not(layer: Any) -> str | None:
+    """Why the fused step never covers ``layer``, a
+    :class:`~kvpolicy.runtime.layer.PackedKVLayer` (None: it may, step by step)."""
     ks, vs = layer.key_spec, layer.value_spec
     if ks.full_precision or vs.full_precision:
         return "a tensor at 16 bits"
@@ -98,7 +96,7 @@ class LayerStep:
     None for a step it does not cover, having changed nothing.
     """
 
-    def __init__(self, layer: PackedKVLayer) -> None:
+    def __init__(self, layer: Any) -> None:  # a PackedKVLayer
         self._layer = layer
         # why_not(layer), asked at the first call: a layer being copied or unpickled has
         # no attributes yet when its step is made
@@ -403,6 +401,6 @@ class LayerStep:
         return out
 
 
-def _fresh(layer: PackedKVLayer) -> LayerStep:
+def _fresh(layer: Any) -> LayerStep:
     return LayerStep(layer)
 
