@@ -15,10 +15,11 @@ from functools import cache
 import torch
 
 from ..errors import CacheError
+from . import reference
 from .layout import Packed, QuantSpec, RotarySpec, scale_table
 
 __all__ = ["bh_slabs", "checked_blocks", "checked_positions", "compact_rope", "is_meta8",
-           "scale_table_f32", "value_codebook"]
+           "key_width_table", "scale_table_f32", "value_codebook"]
 
 _rope_tables: weakref.WeakKeyDictionary[RotarySpec, tuple[torch.Tensor, torch.Tensor]] = (
     weakref.WeakKeyDictionary()
@@ -119,3 +120,10 @@ def scale_table_f32() -> torch.Tensor:
     """:func:`~kvpolicy.kernels.layout.scale_table` as a CPU fp32 tensor (``Params.stab``),
     made once and kept, so its pointer outlives every call."""
     return torch.tensor(scale_table(), dtype=torch.float32)
+
+
+def key_width_table(spec: QuantSpec, heads: int, dim: int) -> torch.Tensor:
+    """The per-channel key widths of ``spec`` as the kernel reads them (``Params.kwid``:
+    int32 ``[Hkv, D, 2]``, cached), after checking they have ``heads`` rows of ``dim``."""
+    reference.check_widths_shape(spec, heads, dim)
+    return reference.width_table(spec, "cpu")

@@ -45,8 +45,15 @@ from typing import Any
 import torch
 
 from ..errors import CacheError
-from ..kernels import cpu_ext, reference
-from ..kernels.cpu_call import bh_slabs, compact_rope, is_meta8, scale_table_f32, value_codebook
+from ..kernels import cpu_ext
+from ..kernels.cpu_call import (
+    bh_slabs,
+    compact_rope,
+    is_meta8,
+    key_width_table,
+    scale_table_f32,
+    value_codebook,
+)
 from ..kernels.layout import FIT_STEPS, RotarySpec
 from .positions import Positions, TokenPositions
 from .recent import Recent
@@ -203,8 +210,7 @@ class LayerStep:
                 setattr(p, f"{name}_sb", sb)
                 setattr(p, f"{name}_sh", sh)
         if ks.widths is not None:
-            reference.check_widths_shape(ks, h, dk)
-            table = reference.width_table(ks, "cpu")
+            table = key_width_table(ks, h, dk)
             keep.append(table)
             p.kwid = table.data_ptr()
         if book is not None:
