@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import weakref
 from functools import cache
+from typing import Any
 
 import torch
 
 from ..errors import CacheError
-from . import reference
+from . import cpu_ext, reference
 from .layout import Packed, QuantSpec, RotarySpec, scale_table
 
-__all__ = ["bh_slabs", "checked_blocks", "checked_positions", "compact_rope", "is_meta8",
-           "key_width_table", "scale_table_f32", "value_codebook"]
+__all__ = ["CHUNK_TOKENS", "CPP_BITS", "DTYPE_CODES", "THREADS_FROM", "bh_slabs",
+           "checked_blocks", "checked_positions", "compact_rope", "is_meta8", "load_library",
+           "scale_table_f32", "set_spec_tables", "specs_why_not", "value_codebook"]
 
 _rope_tables: weakref.WeakKeyDictionary[RotarySpec, tuple[torch.Tensor, torch.Tensor]] = (
     weakref.WeakKeyDictionary()
@@ -122,8 +124,60 @@ def scale_table_f32() -> torch.Tensor:
     return torch.tensor(scale_table(), dtype=torch.float32)
 
 
-def key_width_table(spec: QuantSpec, heads: int, dim: int) -> torch.Tensor:
-    """The per-channel key widths of ``spec`` as the kernel reads them (``Params.kwid``:
-    int32 ``[Hkv, D, 2]``, cached), after checking they have ``heads`` rows of ``dim``."""
-    reference.check_widths_shape(spec, heads, dim)
-    return reference.width_table(spec, "cpu")
+# Bit widths the kernel reads, and its codes for the dtypes of stored tokens and 16-bit
+# metadata (and of an engine's rows): -D KVP_SDT, Params.sdt, Step/LStep edt.
+CPP_BITS = (1, 2, 3, 4, 8)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Tokens per parallel work item of a contiguous packed segment (all kv heads of one batch
+# row): a small score buffer and 16 items at 8K tokens to balance over the threads. Not
+# tuned (no quiet machine to tune on).
+CHUNK_TOKENS = 512
+# Threads are used when a call holds this many tokens in all. NOTE: a helper thread costs
+# tens of us to start, more on a loaded machine: a 1K step measured 0.33 ms on one thread vs
+# 0.71 ms on two (load ~3). The 4K cut itself is a guess between 1K (one thread faster) and
+# 8K (two threads faster).
+THREADS_FROM = 4096
+
+
+def specs_why_not(ks: QuantSpec, vs: QuantSpec) -> str | None:
+    """Why the kernel cannot read keys ``ks`` / values ``vs`` (None: it can)."""
+    if ks.full_precision or vs.full_precision:
+        return "one tensor at 16 bits"
+    if ks.axis != "channel" or vs.axis != "token":
+        return f"axes {ks.axis}/{vs.axis} (the kernel reads channel keys, token values)"
+    if ks.bits not in CPP_BITS or vs.bits not in CPP_BITS:
+        return f"widths {ks.bits}/{vs.bits}"
+    return None
+
+
+def load_library(ks: QuantSpec, vs: QuantSpec, dk: int, dv: int, half: int,
+                 store: torch.dtype) -> Any:
+    """:func:`~kvpolicy.kernels.cpu_ext.load` for these specs, head dims, rotary half-width
+    (0: none) and storage dtype (a key of :data:`DTYPE_CODES`), or None."""
+    # VQ values: no level table, the d-channel codebook instead (vvq, asked for only then,
+    # so every other library keeps its 12-number configuration)
+    vq = (vs.vq_dim,) if vs.vq else ()
+    return cpu_ext.load(ks.bits, vs.bits, ks.group_size, vs.group_size, dk, dv, half,
+                        DTYPE_CODES[store], int(not ks.uniform),
+                        int(not vs.uniform and not vq), int(ks.meta8), int(vs.meta8), *vq)
+
+
+def set_spec_tables(p: Any, ks: QuantSpec, vs: QuantSpec, heads: int, dk: int,
+                    book: torch.Tensor | None, keep: list[torch.Tensor]) -> None:
+    """Point ``p`` (a :class:`~kvpolicy.kernels.cpu_ext.Params`) at the tables the specs
+    need, each kept alive in ``keep``: per-channel key widths, the value codebook ``book``
+    (:func:`value_codebook`), the level tables of specs that are not uniform. A null
+    pointer is what tells the kernel "one width", "no VQ values", "uniform"."""
+    if ks.widths is not None:
+        reference.check_widths_shape(ks, heads, dk)
+        table = reference.width_table(ks, "cpu")
+        keep.append(table)
+        p.kwid = table.data_ptr()
+    if book is not None:
+        keep.append(book)
+        p.vcb = book.data_ptr()
+    for spec, field in ((ks, "klut"),) + (((vs, "vlut"),) if book is None else ()):
+        if not spec.uniform:
+            table = torch.tensor(spec.table, dtype=torch.float32)
+            keep.append(table)
+            setattr(p, field, table.data_ptr())

@@ -1053,6 +1053,41 @@ KVP_EXACT void encode_channels(const float* stab, const float (*X)[Dk], const fl
   }
 }
 
+// What both decode steps (kvp_paged_step, kvp_layer_step) do around the attention: the
+// engine's query rows, scaled, to fp32 [B, Hq, Dk] (row b at b * rs, head h at h * hs);
+// a new value row rotated (x R, R [Dv, Dv] row-major), in place; the fp32 outputs
+// [B, Hq, Dv] rotated back (o R^T, where R is given) and stored in the engine's dtype.
+inline void load_queries(const void* q, int64_t B, int64_t Hq, int64_t rs, int64_t hs,
+                         int64_t edt, float scale, float* qs) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < Hq * Dk; ++i)
+      qs[b * Hq * Dk + i] = load_e(q, b * rs + (i / Dk) * hs + i % Dk, edt) * scale;
+}
+inline void rotate_value(float* x, const float* R) {
+  alignas(64) float y[Dv];
+  for (int64_t j = 0; j < Dv; ++j) y[j] = 0.f;
+  for (int64_t i = 0; i < Dv; ++i)
+    for (int64_t j = 0; j < Dv; ++j) y[j] += x[i] * R[i * Dv + j];
+  std::memcpy(x, y, sizeof(y));
+}
+inline void store_outputs(const float* o32, int64_t B, int64_t Hq, const float* R, void* out,
+                          int64_t rs, int64_t hs, int64_t edt) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const float* o = o32 + (b * Hq + hq) * Dv;
+      const int64_t at = b * rs + hq * hs;
+      if (R) {
+        for (int64_t i = 0; i < Dv; ++i) {
+          float a = 0.f;
+          for (int64_t j = 0; j < Dv; ++j) a += o[j] * R[i * Dv + j];
+          store_e(out, at + i, edt, a);
+        }
+      } else {
+        for (int64_t i = 0; i < Dv; ++i) store_e(out, at + i, edt, o[i]);
+      }
+    }
+}
+
 // ORs code c into a little-endian bit stream at `bit` (stream byte j at buf[j * stride]).
 inline void put_code(uint8_t* buf, int64_t stride, int64_t bit, uint32_t c) {
   const uint32_t w = c << (bit & 7);
@@ -1149,28 +1184,21 @@ int step(const Step& S, const Params& base) {
   std::vector<float> qs(B * Hq * Dk), out32(B * Hq * Dv), lse(B * Hq), fmask(B * Tf);
   std::vector<SType> fk(B * Hkv * Tf * Dk), fv(B * Hkv * Tf * Dv);
   std::vector<int64_t> fpos(B * Tf, 0);
+  load_queries(S.q, B, Hq, S.q_rs, S.q_hs, S.edt, S.scale, qs.data());
   for (int64_t b = 0; b < B; ++b) {
     const int64_t L = S.seq_len[b], pos = L - 1, np = pos / C * C;
     const int64_t* row = S.btab + b * S.btab_sb;
     uint8_t* page = S.pages + row[pos / bs] * S.page_bytes;
     uint8_t* first = S.pages + row[0] * S.page_bytes;
-    for (int64_t i = 0; i < Hq * Dk; ++i)
-      qs[b * Hq * Dk + i] =
-          load_e(S.q, b * S.q_rs + (i / Dk) * S.q_hs + i % Dk, S.edt) * S.scale;
     // ---- append: the new key and value to the stage (and the sinks)
     for (int64_t h = 0; h < Hkv; ++h) {
-      alignas(64) float kr[Dk], vr[Dv], vo[Dv];
+      alignas(64) float kr[Dk], vr[Dv];
       for (int64_t d = 0; d < Dk; ++d) kr[d] = load_e(S.k, b * S.k_rs + h * S.k_hs + d, S.edt);
       if (S.rope_rows > 0)
         unrope(kr, base.cosc + pos * base.rope_rs, base.sinc + pos * base.rope_rs,
                base.rope_style);
       for (int64_t d = 0; d < Dv; ++d) vr[d] = load_e(S.v, b * S.v_rs + h * S.v_hs + d, S.edt);
-      if (S.rot) {  // v R
-        for (int64_t j = 0; j < Dv; ++j) vo[j] = 0.f;
-        for (int64_t i = 0; i < Dv; ++i)
-          for (int64_t j = 0; j < Dv; ++j) vo[j] += vr[i] * S.rot[i * Dv + j];
-        std::memcpy(vr, vo, sizeof(vr));
-      }
+      if (S.rot) rotate_value(vr, S.rot);  // v R
       SType* sk = (SType*)(page + S.stage_k) + (h * C + pos % C) * Dk;
       SType* sv = (SType*)(page + S.stage_v) + (h * C + pos % C) * Dv;
       for (int64_t d = 0; d < Dk; ++d) sk[d] = to_store(kr[d]);
@@ -1236,20 +1264,7 @@ int step(const Step& S, const Params& base) {
     }
   }
   // ---- the output: rotated back (o R^T) and written to the engine's rows
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t hq = 0; hq < Hq; ++hq) {
-      const float* o = out32.data() + (b * Hq + hq) * Dv;
-      const int64_t at = b * S.o_rs + hq * S.o_hs;
-      if (S.rot) {
-        for (int64_t i = 0; i < Dv; ++i) {
-          float a = 0.f;
-          for (int64_t j = 0; j < Dv; ++j) a += o[j] * S.rot[i * Dv + j];
-          store_e(S.out, at + i, S.edt, a);
-        }
-      } else {
-        for (int64_t i = 0; i < Dv; ++i) store_e(S.out, at + i, S.edt, o[i]);
-      }
-    }
+  store_outputs(out32.data(), B, Hq, S.rot, S.out, S.o_rs, S.o_hs, S.edt);
   return 0;
 }
 
@@ -1276,13 +1291,7 @@ int layer_step(const LStep& S, const Params& base) {
         fk[d] = to_store(load_e(S.k, b * S.k_bs + h * S.k_hs + d, S.edt));
       alignas(64) float vr[Dv];
       for (int64_t d = 0; d < Dv; ++d) vr[d] = load_e(S.v, b * S.v_bs + h * S.v_hs + d, S.edt);
-      if (S.rot) {
-        alignas(64) float vo[Dv];
-        for (int64_t j = 0; j < Dv; ++j) vo[j] = 0.f;
-        for (int64_t i = 0; i < Dv; ++i)
-          for (int64_t j = 0; j < Dv; ++j) vo[j] += vr[i] * S.rot[i * Dv + j];
-        std::memcpy(vr, vo, sizeof(vr));
-      }
+      if (S.rot) rotate_value(vr, S.rot);
       for (int64_t d = 0; d < Dv; ++d) fv[d] = to_store(vr[d]);
     }
   if (S.fpos) S.fpos[S.at] = S.newpos;
@@ -1319,10 +1328,7 @@ int layer_step(const LStep& S, const Params& base) {
     P.fmask = fmask.data(); P.f0 = Tf; P.f1 = 0; P.f2 = 0; P.f3 = 1;
   }
   std::vector<float> qs(B * Hq * Dk), out32(B * Hq * Dv), lse(B * Hq);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t i = 0; i < Hq * Dk; ++i)
-      qs[b * Hq * Dk + i] =
-          load_e(S.q, b * S.q_bs + (i / Dk) * S.q_hs + i % Dk, S.edt) * S.scale;
+  load_queries(S.q, B, Hq, S.q_bs, S.q_hs, S.edt, S.scale, qs.data());
   P.Tq = 1;
   P.Tf = Tf;
   P.fpos = S.fpos;
@@ -1336,20 +1342,7 @@ int layer_step(const LStep& S, const Params& base) {
   P.lse = lse.data();
   run<KB, VB>(P);
   // ---- the output: rotated back (o R^T), in the engine's dtype
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t hq = 0; hq < Hq; ++hq) {
-      const float* o = out32.data() + (b * Hq + hq) * Dv;
-      const int64_t at = b * S.o_bs + hq * S.o_hs;
-      if (S.rot) {
-        for (int64_t i = 0; i < Dv; ++i) {
-          float a = 0.f;
-          for (int64_t j = 0; j < Dv; ++j) a += o[j] * S.rot[i * Dv + j];
-          store_e(S.out, at + i, S.edt, a);
-        }
-      } else {
-        for (int64_t i = 0; i < Dv; ++i) store_e(S.out, at + i, S.edt, o[i]);
-      }
-    }
+  store_outputs(out32.data(), B, Hq, S.rot, S.out, S.o_bs, S.o_hs, S.edt);
   return 0;
 }
 

@@ -30,19 +30,25 @@ from typing import Any
 import torch
 
 from ..errors import CacheError
-from . import cpu_ext, reference
-from .cpu_call import bh_slabs, compact_rope, is_meta8, scale_table_f32, value_codebook
+from . import cpu_ext
+from .cpu_call import (
+    DTYPE_CODES,
+    THREADS_FROM,
+    bh_slabs,
+    compact_rope,
+    is_meta8,
+    load_library,
+    scale_table_f32,
+    set_spec_tables,
+    specs_why_not,
+    value_codebook,
+)
 from .layout import FIT_STEPS, Packed, QuantSpec, RotarySpec
 
 __all__ = ["FusedStep", "why_not"]
 
 log = logging.getLogger(__name__)
 
-_CPP_BITS = (1, 2, 3, 4, 8)
-_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Threads are used when a step holds this many tokens in all (as the torch backend's
-# attention: below it a helper thread costs more than it saves).
-THREADS_FROM = 4096
 
 
 def why_not(layout: Any, rope: RotarySpec | None, window: int | None) -> str | None:
@@ -50,15 +56,12 @@ def why_not(layout: Any, rope: RotarySpec | None, window: int | None) -> str | N
     ks, vs = layout.key_spec, layout.value_spec
     if layout.full_precision:
         return "a 16-bit layout"
-    if ks.full_precision or vs.full_precision:
-        return "one tensor at 16 bits"
-    if ks.axis != "channel" or vs.axis != "token":
-        return f"axes {ks.axis}/{vs.axis} (the kernel reads channel keys, token values)"
-    if ks.bits not in _CPP_BITS or vs.bits not in _CPP_BITS:
-        return f"widths {ks.bits}/{vs.bits}"
+    why = specs_why_not(ks, vs)
+    if why is not None:
+        return why
     if layout.chunk < 2:
         return "a chunk of one token (no stage)"
-    if layout.store_dtype not in _DT:
+    if layout.store_dtype not in DTYPE_CODES:
         return f"storage dtype {layout.store_dtype}"
     if rope is not None and (rope.style not in ("rotate_half", "interleaved")
                              or rope.rotary_dim % 2 or rope.offset):
@@ -123,12 +126,9 @@ class FusedStep:
         if (ks.meta8, vs.meta8) != (is_meta8(k), is_meta8(v)):
             raise CacheError(f"page scale/zero dtypes {k.scale.dtype}/{v.scale.dtype} do not "
                              f"match the metadata widths of {ks} / {vs}")
-        vq = (vs.vq_dim,) if vs.vq else ()
         half = 0 if rope is None else rope.rotary_dim // 2
         store = layout.store_dtype
-        lib = cpu_ext.load(ks.bits, vs.bits, ks.group_size, vs.group_size, dk, dv, half,
-                           _DT[store], int(not ks.uniform), int(not vs.uniform and not vq),
-                           int(ks.meta8), int(vs.meta8), *vq)
+        lib = load_library(ks, vs, dk, dv, half, store)
         if lib is None:
             return None
         keep: list[torch.Tensor] = []
@@ -141,7 +141,7 @@ class FusedStep:
         book = value_codebook(vs, hkv)
         p = cpu_ext.Params(
             Hkv=hkv, rep=num_heads // hkv, Tq=1, Dk=dk, Dv=dv, Gk=ks.group_size,
-            Gv=vs.group_size, sdt=_DT[store],
+            Gv=vs.group_size, sdt=DTYPE_CODES[store],
             softcap=0.0 if softcap is None else float(softcap),
             stab=scale_table_f32().data_ptr() if ks.meta8 or vs.meta8 else None,
         )
@@ -157,19 +157,7 @@ class FusedStep:
             keep += [cos, sin]
             p.cosc, p.sinc, p.rope_rs = cos.data_ptr(), sin.data_ptr(), cos.stride(0)
             p.half, p.rope_style = half, 1 if rope.style == "rotate_half" else 2
-        if ks.widths is not None:
-            reference.check_widths_shape(ks, hkv, dk)
-            table = reference.width_table(ks, "cpu")
-            keep.append(table)
-            p.kwid = table.data_ptr()
-        if book is not None:
-            keep.append(book)
-            p.vcb = book.data_ptr()
-        for spec, field in ((ks, "klut"),) + (((vs, "vlut"),) if book is None else ()):
-            if not spec.uniform:
-                table = torch.tensor(spec.table, dtype=torch.float32)
-                keep.append(table)
-                setattr(p, field, table.data_ptr())
+        set_spec_tables(p, ks, vs, hkv, dk, book, keep)
         raw = views["stage_k"]  # any field: its page 0 starts the pages
         fields = {f.name: f for f in layout.fields}
         base = raw.data_ptr() - fields["stage_k"].offset
@@ -233,7 +221,7 @@ class FusedStep:
         this step) and ``block_table [B, blocks]`` are contiguous int64 (a step's, shared
         by its layers). Raises :class:`CacheError` for what the kernel refuses."""
         s = self._s
-        dt = _DT.get(q.dtype)
+        dt = DTYPE_CODES.get(q.dtype)
         if dt is None or not (k.dtype == v.dtype == out.dtype == q.dtype):
             raise CacheError(f"the fused step takes q/k/v/out of one dtype among float32, "
                              f"bfloat16, float16; got {q.dtype}/{k.dtype}/{v.dtype}/{out.dtype}")

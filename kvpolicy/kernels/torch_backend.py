@@ -36,12 +36,18 @@ from ..errors import CacheError
 from . import cpu_ext, reference, vq_codes
 from .contract import Backend, compose_decode
 from .cpu_call import (
+    CHUNK_TOKENS,
+    CPP_BITS,
+    DTYPE_CODES,
+    THREADS_FROM,
     bh_slabs,
     checked_blocks,
     checked_positions,
     compact_rope,
     is_meta8,
+    load_library,
     scale_table_f32,
+    set_spec_tables,
     value_codebook,
 )
 from .layout import Packed, QuantSpec, RotarySpec, byte_aligned
@@ -329,13 +335,7 @@ def fused_attention(
                          f"match the metadata widths of {k_spec} / {v_spec}")
     half = 0 if rope is None else rope.rotary_dim // 2
     store = _storage_dtype(k, v, fk, fv)
-    # VQ values: no level table, the d-channel codebook instead (vvq, asked for only then, so
-    # every other library keeps its 12-number configuration)
-    vq = (v_spec.vq_dim,) if v_spec.vq else ()
-    lib = cpu_ext.load(k_spec.bits, v_spec.bits, k_spec.group_size, v_spec.group_size,
-                        q.shape[-1], dv, half, _SDT[store], int(not k_spec.uniform),
-                        int(not v_spec.uniform and not vq), int(k_spec.meta8),
-                        int(v_spec.meta8), *vq)
+    lib = load_library(k_spec, v_spec, q.shape[-1], dv, half, store)
     if lib is None:
         return None
     return _cpp_attention(lib, q, k, v, k_spec, v_spec, fk, fv, scale, mask, fp_mask, rope,
@@ -406,10 +406,6 @@ BACKEND = Backend(
 
 # --------------------------------------------------------------------------- C++ path
 
-_CPP_BITS = (1, 2, 3, 4, 8)
-# Tokens per parallel work item (all kv heads of one batch row): a small score buffer and
-# 16 items at 8K tokens to balance over the threads. Not tuned (no quiet machine to tune on).
-_CHUNK_TOKENS = 512
 # NOTE: query rows per kv head up to which the C++ kernel runs. Measured at 8K packed tokens,
 # 1 thread, SmolLM2 shapes (C++ vs eager dequantize + rope + matmul, ms): Tq=1 1.1 vs 14,
 # Tq=16 5.1 vs 21, Tq=64 18 vs 50, Tq=256 (768 rows) 73 vs 256. Longer prefills were not
@@ -429,17 +425,14 @@ def _cpp_supported(
         and q.device.type == "cpu"
         and k_spec.axis == "channel"
         and v_spec.axis == "token"
-        and k_spec.bits in _CPP_BITS
-        and v_spec.bits in _CPP_BITS
+        and k_spec.bits in CPP_BITS
+        and v_spec.bits in CPP_BITS
         and (
             rope is None
             or (rope.style in ("rotate_half", "interleaved") and rope.rotary_dim % 2 == 0
                 and rope.rotary_dim <= q.shape[-1])
         )
     )
-
-
-_THREADS_FROM = 4096
 
 
 def _fp_len(fk: torch.Tensor | None) -> int:
@@ -450,9 +443,6 @@ def _fp_len(fk: torch.Tensor | None) -> int:
 # dtype and widened inside the kernel (8-bit metadata: as stored, uint8 / int8). 8K step,
 # bf16 cache, 1 thread (min of 100): 0.77-0.80 ms read as stored, 0.85-0.87 ms converting
 # them to fp32 in torch first (fp32 cache: 0.80 ms).
-_SDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
 def _storage_dtype(
     k: Packed, v: Packed, fk: torch.Tensor | None, fv: torch.Tensor | None
 ) -> torch.dtype:
@@ -461,7 +451,7 @@ def _storage_dtype(
     ts = [t for p in (k, v) if not is_meta8(p) for t in (p.scale, p.zero)]
     ts += [t for t in (fk, fv) if t is not None]
     dt = ts[0].dtype if ts else torch.float32
-    return dt if dt in _SDT and all(t.dtype == dt for t in ts) else torch.float32
+    return dt if dt in DTYPE_CODES and all(t.dtype == dt for t in ts) else torch.float32
 
 
 def _cpp_attention(
@@ -499,7 +489,7 @@ def _cpp_attention(
         )
     keep: list[torch.Tensor] = []  # everything whose pointer the kernel reads stays alive
     book = value_codebook(v_spec, hkv)  # VQ values' centroids; None: coded per element
-    bsz, chunk = tk, max(k_spec.group_size, _CHUNK_TOKENS // k_spec.group_size
+    bsz, chunk = tk, max(k_spec.group_size, CHUNK_TOKENS // k_spec.group_size
                          * k_spec.group_size)
     if block_table is not None:
         btab = checked_blocks(block_table, b, rows, check_positions)
@@ -520,10 +510,7 @@ def _cpp_attention(
         B=b, Hkv=hkv, rep=hq // hkv, Tq=tq, Dk=dk, Dv=dv, Tk=tk,
         Gk=k_spec.group_size, Gv=v_spec.group_size,
         chunk=chunk,
-        # NOTE: a helper thread costs tens of us to start, more on a loaded machine: a 1K
-        # step measured 0.33 ms on one thread vs 0.71 ms on two (load ~3). The 4K cut
-        # itself is a guess between 1K (one thread faster) and 8K (two threads faster).
-        nthreads=torch.get_num_threads() if b * (tk + _fp_len(fk)) >= _THREADS_FROM else 1,
+        nthreads=torch.get_num_threads() if b * (tk + _fp_len(fk)) >= THREADS_FROM else 1,
         q=qs.data_ptr(),
         kc=kc.data_ptr(), kc_sb=kc_sb, kc_sh=kc_sh,
         ks=ks.data_ptr(), ks_sb=ks_sb, ks_sh=ks_sh,
@@ -531,7 +518,7 @@ def _cpp_attention(
         vc=vc.data_ptr(), vc_sb=vc_sb, vc_sh=vc_sh,
         vs=vs.data_ptr(), vs_sb=vs_sb, vs_sh=vs_sh,
         vz=None if book is not None else vz.data_ptr(), vz_sb=vz_sb, vz_sh=vz_sh,  # VQ: none
-        out=out.data_ptr(), lse=lse.data_ptr(), sdt=_SDT[store],
+        out=out.data_ptr(), lse=lse.data_ptr(), sdt=DTYPE_CODES[store],
         softcap=0.0 if softcap is None else float(softcap),  # 0: no cap
         # a null table is what tells the kernel "no 8-bit metadata" (kept alive by its cache)
         stab=scale_table_f32().data_ptr() if km8 or vm8 else None,
@@ -572,19 +559,7 @@ def _cpp_attention(
         p.kpos, p.kpos_sb = kpos.data_ptr(), kpos.stride(0)
         p.cosc, p.sinc, p.rope_rs = cos.data_ptr(), sin.data_ptr(), cos.stride(0)
         p.half, p.rope_style = rope.rotary_dim // 2, 1 if rope.style == "rotate_half" else 2
-    if k_spec.widths is not None:  # a null table is what tells the kernel "one width"
-        reference.check_widths_shape(k_spec, hkv, dk)
-        table = reference.width_table(k_spec, q.device)
-        keep.append(table)
-        p.kwid = table.data_ptr()
-    if book is not None:  # a null codebook is what tells the kernel "no VQ values"
-        keep.append(book)
-        p.vcb = book.data_ptr()
-    for spec, field in ((k_spec, "klut"),) + (((v_spec, "vlut"),) if book is None else ()):
-        if not spec.uniform:  # a null table is what tells the kernel "uniform"
-            table = torch.tensor(spec.table, dtype=torch.float32)
-            keep.append(table)
-            setattr(p, field, table.data_ptr())
+    set_spec_tables(p, k_spec, v_spec, hkv, dk, book, keep)
     if lib.kvp_packed_attention(ctypes.byref(p), k_spec.bits, v_spec.bits) != 0:
         raise CacheError(f"CPU kernel was built for another spec than {k_spec}/{v_spec}")
     del keep

@@ -221,8 +221,7 @@ class KVAttend(nn.Module):
             rope, positions = cache.rope_rows(layer_obj, c, s, self.rope_style, k.shape[0],
                                               self.rotary_sources)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        if q.shape[2] == 1 and not self.mask_by_position and (
-                mask is None or (mask.dim() == 4 and mask.dtype == torch.bool)):
+        if q.shape[2] == 1 and not self.mask_by_position:
             # A decode step: one fused C++ call where it covers the layer and the step
             # (runtime.layer_step), the value rotated and the output rotated back inside it.
             out = packed.decode_step(q, k, v, positions, mask,

@@ -47,11 +47,16 @@ import torch
 from ..errors import CacheError
 from ..kernels import cpu_ext
 from ..kernels.cpu_call import (
+    CHUNK_TOKENS,
+    DTYPE_CODES,
+    THREADS_FROM,
     bh_slabs,
     compact_rope,
     is_meta8,
-    key_width_table,
+    load_library,
     scale_table_f32,
+    set_spec_tables,
+    specs_why_not,
     value_codebook,
 )
 from ..kernels.layout import FIT_STEPS, RotarySpec
@@ -62,27 +67,16 @@ __all__ = ["ENABLED", "LayerStep", "why_not"]
 
 # Whether layers run their decode steps fused (where covered). ``KVPOLICY_LAYER_STEP=0`` at
 # import, or setting this to False, makes every step take ``append`` then ``attend`` (what
-# ``bench/local_layers.py --compare`` sets to time both in one run).
+# ``bench/local_layers.py``'s unfused row and ``bench/layer_step_profile.py`` set).
 ENABLED = os.environ.get("KVPOLICY_LAYER_STEP", "") != "0"
-
-_CPP_BITS = (1, 2, 3, 4, 8)
-_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Tokens per work item of the packed body (as the torch backend's C++ call).
-_CHUNK_TOKENS = 512
-# Threads are used when a step holds this many tokens in all (as the torch backend's).
-_THREADS_FROM = 4096
 
 
 def why_not(layer: Any) -> str | None:
     """Why the fused step never covers ``layer``, a
     :class:`~kvpolicy.runtime.layer.PackedKVLayer` (None: it may, step by step)."""
-    ks, vs = layer.key_spec, layer.value_spec
-    if ks.full_precision or vs.full_precision:
-        return "a tensor at 16 bits"
-    if ks.axis != "channel" or vs.axis != "token":
-        return f"axes {ks.axis}/{vs.axis} (the kernel reads channel keys, token values)"
-    if ks.bits not in _CPP_BITS or vs.bits not in _CPP_BITS:
-        return f"widths {ks.bits}/{vs.bits}"
+    why = specs_why_not(layer.key_spec, layer.value_spec)
+    if why is not None:
+        return why
     if tuple(layer.residual_bits) != (16, 16):
         return f"residual_bits {layer.residual_bits} (a packed residual)"
     return None
@@ -111,11 +105,10 @@ class LayerStep:
         self._state: tuple | None = None  # identities of the layer state last left
         self._lib: Any = None
         self._p: cpu_ext.Params | None = None
-        self._s = cpu_ext.LStep()
+        self._s = cpu_ext.LStep(threads_from=THREADS_FROM)
         self._keep: list[torch.Tensor] = []
         self._buf: tuple[torch.Tensor, torch.Tensor] | None = None
         self._fpos: torch.Tensor | None = None
-        self._ns = self._r = 0
         self._rope_key: tuple | None = None
         self.steps = 0  # decode steps run fused
         self.chunks_packed = 0  # chunks (per batch row) packed in C++
@@ -135,7 +128,8 @@ class LayerStep:
         b, h, cap = k.shape[:3]
         per_token = b * h * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())
         extra = 0 if self._fpos is None else self._fpos.numel() * self._fpos.element_size()
-        return (cap - self._ns - self._r) * per_token + extra
+        held = self._layer.n_sinks + self._layer.n_residual  # the buffer's tokens
+        return (cap - held) * per_token + extra
 
     def _key(self) -> tuple:
         lay = self._layer
@@ -154,19 +148,21 @@ class LayerStep:
         b, h, dk, dv = lay._shape
         ks, vs = lay.key_spec, lay.value_spec
         store = lay._store_dtype()
-        if store not in _DT:
+        if store not in DTYPE_CODES:
             return False
-        k = v = None
+        fields: tuple = ()
         if lay._n_packed:
             k, v = lay._packed()
             if (ks.meta8, vs.meta8) != (is_meta8(k), is_meta8(v)):
                 raise CacheError(f"stored scale/zero dtypes {k.scale.dtype}/{v.scale.dtype} "
                                  f"do not match the metadata widths of {ks} / {vs}")
+            meta16 = [t for seg in (k, v) if not is_meta8(seg) for t in (seg.scale, seg.zero)]
+            if any(t.numel() and t.dtype != store for t in meta16):
+                return False  # 16-bit metadata in another dtype than the tokens
+            fields = (("kc", k.codes), ("ks", k.scale), ("kz", k.zero), ("vc", v.codes),
+                      ("vs", v.scale), ("vz", v.zero))
         half = 0 if rope is None else rope.rotary_dim // 2
-        vq = (vs.vq_dim,) if vs.vq else ()
-        lib = cpu_ext.load(ks.bits, vs.bits, ks.group_size, vs.group_size, dk, dv, half,
-                           _DT[store], int(not ks.uniform), int(not vs.uniform and not vq),
-                           int(ks.meta8), int(vs.meta8), *vq)
+        lib = load_library(ks, vs, dk, dv, half, store)
         if lib is None:
             return False
         ns, r = lay.n_sinks, lay.n_residual
@@ -193,34 +189,18 @@ class LayerStep:
         gk = ks.group_size
         p = cpu_ext.Params(
             B=b, Hkv=h, Dk=dk, Dv=dv, Tk=lay._n_packed, Gk=gk, Gv=vs.group_size,
-            chunk=max(gk, _CHUNK_TOKENS // gk * gk), sdt=_DT[store],
+            chunk=max(gk, CHUNK_TOKENS // gk * gk), sdt=DTYPE_CODES[store],
             stab=scale_table_f32().data_ptr() if ks.meta8 or vs.meta8 else None,
         )
         p.fk, p.fk_sb, p.fk_sh = bk.data_ptr(), bk.stride(0), bk.stride(1)
         p.fv, p.fv_sb, p.fv_sh = bv.data_ptr(), bv.stride(0), bv.stride(1)
-        if k is not None:
-            for name, t in (("kc", k.codes), ("ks", k.scale), ("kz", k.zero), ("vc", v.codes),
-                            ("vs", v.scale), ("vz", v.zero)):
-                meta16 = name[1] != "c" and not is_meta8(k if name[0] == "k" else v)
-                if meta16 and t.numel() and t.dtype != store:
-                    return False  # 16-bit metadata in another dtype than the tokens
-                t, sb, sh = bh_slabs(t)
-                keep.append(t)
-                setattr(p, name, None if (name == "vz" and book is not None) else t.data_ptr())
-                setattr(p, f"{name}_sb", sb)
-                setattr(p, f"{name}_sh", sh)
-        if ks.widths is not None:
-            table = key_width_table(ks, h, dk)
-            keep.append(table)
-            p.kwid = table.data_ptr()
-        if book is not None:
-            keep.append(book)
-            p.vcb = book.data_ptr()
-        for spec, field in ((ks, "klut"),) + (((vs, "vlut"),) if book is None else ()):
-            if not spec.uniform:
-                table = torch.tensor(spec.table, dtype=torch.float32)
-                keep.append(table)
-                setattr(p, field, table.data_ptr())
+        for name, t in fields:
+            t, sb, sh = bh_slabs(t)
+            keep.append(t)
+            setattr(p, name, None if (name == "vz" and book is not None) else t.data_ptr())
+            setattr(p, f"{name}_sb", sb)
+            setattr(p, f"{name}_sh", sh)
+        set_spec_tables(p, ks, vs, h, dk, book, keep)
         # commit: the layer's sinks and residual are now views of the buffer
         lay._sink_k = bk[:, :, :ns] if ns else None
         lay._sink_v = bv[:, :, :ns] if ns else None
@@ -228,7 +208,7 @@ class LayerStep:
             lay._res_k = Recent(bk[:, :, ns : ns + r])
             lay._res_v = Recent(bv[:, :, ns : ns + r])
         self._lib, self._p, self._keep = lib, p, keep
-        self._buf, self._fpos, self._ns, self._r = (bk, bv), fpos, ns, r
+        self._buf, self._fpos = (bk, bv), fpos
         self._half, self._rope_key, self._rope_tables = half, None, None
         self._state = self._key()
         return True
@@ -255,15 +235,14 @@ class LayerStep:
         if n % c or k.dtype != lay._store_dtype() or v.dtype != k.dtype:
             return None
         nc = n // c
-        grown = []
-        for buf, add in zip((*pk, *pv), (n // gk,) * 3 + (n,) * 3, strict=True):
+        grown, p = [], self._p
+        for name, buf, add in zip(("kc", "ks", "kz", "vc", "vs", "vz"), (*pk, *pv),
+                                  (n // gk,) * 3 + (n,) * 3, strict=True):
             d = buf.data
             # room for the chunks (uninitialised: the kernel writes every byte of it)
-            grown.append(buf.appended(d.new_empty((*d.shape[:2], add, *d.shape[3:]))))
-        p = self._p
-        for name, g in zip(("kc", "ks", "kz", "vc", "vs", "vz"), grown, strict=True):
-            add = g.n - (pk if name[0] == "k" else pv)[0].n
-            region = g.data.narrow(2, g.start + g.n - add, add)
+            g = buf.appended(d.new_empty((*d.shape[:2], add, *d.shape[3:])))
+            grown.append(g)
+            region = g.data.narrow(2, g.start + buf.n, add)
             setattr(p, name, region.data_ptr())
             setattr(p, f"{name}_sb", region.stride(0))
             setattr(p, f"{name}_sh", region.stride(1))
@@ -310,7 +289,7 @@ class LayerStep:
         if (k.shape != (b, h, 1, dk) or v.shape != (b, h, 1, dv) or q.shape[0] != b
                 or q.shape[1] % h or q.shape[2] != 1 or q.shape[3] != dk):
             return None
-        dt = _DT.get(q.dtype)
+        dt = DTYPE_CODES.get(q.dtype)
         if dt is None or k.dtype != q.dtype or v.dtype != q.dtype:
             return None
         if lay.dtype is None and q.dtype != lay._store_dtype():
@@ -385,7 +364,7 @@ class LayerStep:
             s.mask, s.mask_n = mask.data_ptr(), mask.shape[3]
             s.mask_bs = mask.stride(0) if mask.shape[0] > 1 else 0
             s.mask_inv = int(mask_inverted)
-        s.nthreads, s.threads_from = torch.get_num_threads(), _THREADS_FROM
+        s.nthreads = torch.get_num_threads()
         rc = self._lib.kvp_layer_step(ctypes.byref(s), ctypes.byref(p), lay.key_spec.bits,
                                       lay.value_spec.bits)
         if rc == 8:
@@ -397,7 +376,6 @@ class LayerStep:
                              f"{cpu_ext.STEP_ERRORS.get(rc, f'error {rc}')}")
         # commit: the residual's view grows by the token the kernel wrote
         bk, bv = self._buf
-        self._r = r + 1
         lay._res_k = Recent(bk[:, :, ns : ns + r + 1])
         lay._res_v = Recent(bv[:, :, ns : ns + r + 1])
         if pos is not None:
