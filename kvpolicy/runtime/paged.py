@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -49,82 +48,11 @@ from ..kernels.layout import Packed, QuantSpec, RotarySpec
 from ..kernels.rotation import rotation_matrix
 from .page_layout import PagedField, PagedLayout
 from .paged_dense import DENSE_FROM, attend_chunk, dense_prefix
+from .seq_batch import SeqBatch
 
 __all__ = ["PagedField", "PagedLayout", "PagedKV", "SeqBatch", "sdpa_prefill"]
 
 _ROWS = 256  # query rows per attention call of a long chunk (as runtime.layer)
-
-
-@dataclass
-class SeqBatch:
-    """The sequences of one engine step, in the order of their query tokens.
-
-    ``query_start`` ``[n + 1]`` (cumulative query tokens), ``seq_lens`` ``[n]`` (tokens of
-    each sequence after this step), ``block_table`` ``[n, max_blocks]`` (block ids;
-    entries past a sequence's blocks are ignored). Held on the CPU as lists too.
-    """
-
-    query_start: list[int]
-    seq_lens: list[int]
-    block_table: torch.Tensor
-    # Index tensors derived from the batch, shared by every layer of the step (keyed by
-    # what they depend on: a layer's block size, chunk, sinks, window ...).
-    memo: dict = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def n(self) -> int:
-        return len(self.seq_lens)
-
-    def cached(self, key: tuple, make):
-        """``make()`` once per ``key`` for this batch."""
-        if key not in self.memo:
-            self.memo[key] = make()
-        return self.memo[key]
-
-    def query_len(self, i: int) -> int:
-        return self.query_start[i + 1] - self.query_start[i]
-
-    @property
-    def decoding(self) -> bool:
-        """Whether every sequence adds one token (a decode step)."""
-        return self.cached(("decoding",), lambda: self.n > 0
-                           and self.query_start[-1] - self.query_start[0] == self.n
-                           and all(self.query_len(i) == 1 for i in range(self.n)))
-
-    def step_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``seq_lens`` and ``block_table`` as contiguous int64 CPU tensors (what the
-        fused step reads), made once per step."""
-        return self.cached(("step", ), lambda: (
-            torch.tensor(self.seq_lens, dtype=torch.int64),
-            self.block_table.to("cpu", torch.int64).contiguous()))
-
-    def positions(self, device: torch.device) -> torch.Tensor:
-        """``[num_tokens]`` int64: each query token's position in its sequence."""
-        def make() -> torch.Tensor:
-            parts = [torch.arange(s - self.query_len(i), s)
-                     for i, s in enumerate(self.seq_lens)]
-            return torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.long)
-        return self.cached(("positions", device), make)
-
-    def groups(self, device: torch.device) -> tuple:
-        """``(rows, sub)`` of the sequences adding one token (rows: their query rows,
-        sub: them as one batch; ``(None, None)`` without any), and ``(i, start, n, sub)``
-        for each sequence adding several."""
-        def make() -> tuple:
-            single = [i for i in range(self.n) if self.query_len(i) == 1]
-            rows = sub = None
-            if single:
-                rows = (slice(None) if len(single) == self.n else  # all decoding: views
-                        torch.tensor([self.query_start[i] for i in single], device=device))
-                sub = SeqBatch(list(range(len(single) + 1)),
-                               [self.seq_lens[i] for i in single],
-                               self.block_table[torch.tensor(single, device=device)])
-            many = [(i, self.query_start[i], self.query_len(i),
-                     SeqBatch([0, self.query_len(i)], [self.seq_lens[i]],
-                              self.block_table[i : i + 1]))
-                    for i in range(self.n) if self.query_len(i) > 1]
-            return rows, sub, many
-        return self.cached(("groups", device), make)
 
 
 def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], *,
@@ -205,6 +133,12 @@ class PagedKV:
         Returns ``[N, Hq, Dv]`` in ``q.dtype``: ``out`` when given (written in place).
         """
         lay = self.layout
+        rounds = batch.rounds(lay.block_size)
+        if rounds is not None:  # a block shared in the step it is filled: writers first
+            res = q.new_empty(q.shape[0], q.shape[1], lay.v_head_dim) if out is None else out
+            for rows, sub in rounds:
+                res[rows] = self.forward(pages, q[rows], k[rows], v[rows], sub)
+            return res
         kern = select(self.backend, q.device)
         # The same pages come back every step (a new view object each time): their field
         # views are kept, keyed by address (holding them keeps that memory alive).

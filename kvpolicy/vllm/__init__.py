@@ -11,8 +11,9 @@ checked against the model vLLM loads, and served by :mod:`kvpolicy.vllm.backend`
 allocates packed pages and attention reads them with kvpolicy's kernels. An engine without
 the key runs vLLM's own attention, unchanged.
 
-What the engine's config is changed to, each said once in the log: a block size that the
-policy's key groups tile (when none was given), prefix caching off. Refused at engine
+What the engine's config is changed to, said once in the log: a block size that the
+policy's key groups tile (when none was given). Prefix caching stays as vLLM sets it (on by
+default): full packed blocks are shared as vLLM's own are. Refused at engine
 start: speculative decoding, and quantized keys or values on a model with sliding-window
 layers (a 16-bit policy serves those).
 """

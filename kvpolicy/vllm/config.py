@@ -21,7 +21,7 @@ def _sliding(hf_config: Any) -> bool:
 
 def configure_engine(vllm_config: Any) -> None:
     """Derive the policy named in ``additional_config`` (a no-op without one), refuse what
-    it cannot serve, and set the block size and prefix caching it needs."""
+    it cannot serve, and set the block size it needs."""
     value = config_value(vllm_config)
     if value is None:
         return
@@ -53,11 +53,6 @@ def configure_engine(vllm_config: Any) -> None:
             "with a 16-bit policy so far: vLLM sizes their blocks from a per-token page, "
             "which a packed page is not; use compile_model for this model, or "
             '{"kvpolicy": 16}')
-    if cc.enable_prefix_caching:
-        log.warning("kvpolicy: prefix caching disabled (a packed block's key groups and "
-                    "stage belong to the sequence that wrote them); pass "
-                    "enable_prefix_caching=False to silence this")
-        cc.enable_prefix_caching = False
     chunk = served.chunk()
     if served.full_precision():
         return

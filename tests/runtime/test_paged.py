@@ -198,3 +198,68 @@ def test_an_engine_prefill_gets_every_fresh_sequence_of_a_step_in_one_call():
                 got = outs[0][a:b].transpose(0, 1)[None]
                 assert (got - want).abs().max().item() <= 1e-5, "a fresh row went astray"
     assert calls == [[10, 6], [7, 5]]
+
+
+def _shared_pages(kspec, vspec, steps_x, steps_y, *, rope=None):
+    """Run two caches: ``steps_x`` and ``steps_y`` are lists of steps, each a list of
+    ``(sequence, n_new)``; every sequence's tokens are the same in both. Returns both caches'
+    outputs per sequence and their pages. Sequence 1 starts with its first 32 tokens
+    cached (sequence 0's first two blocks, as a prefix cache hands them)."""
+    layout = PagedLayout(kspec, vspec, num_kv_heads=H, head_dim=D, block_size=16, sinks=2,
+                         store_dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    # sequence 1's first 32 tokens are sequence 0's: it holds sequence 0's two full blocks
+    toks = [[torch.randn(1, h, D, generator=g) * (2 if h == H else 1) for h in (HQ, H, H)]
+            for _ in range(48)]
+    mine = {0: list(range(48)), 1: list(range(32)) + list(range(40, 48))}
+    table = torch.tensor([[3, 5, 6], [3, 5, 1]])
+    results = []
+    for steps in (steps_x, steps_y):
+        pages = torch.zeros(8, layout.page_bytes, dtype=torch.uint8)
+        paged = PagedKV(layout, scale=D ** -0.5, rope=rope, backend="torch")
+        seen, outs = {0: 0, 1: 32}, {0: [], 1: []}
+        for step in steps:
+            rows = [mine[i][seen[i] + j] for i, n in step for j in range(n)]
+            q, k, v = (torch.cat([toks[r][x] for r in rows]) for x in range(3))
+            if rope is not None:
+                pos = torch.tensor([seen[i] + j for i, n in step for j in range(n)])
+                k = apply_rope(k.transpose(0, 1)[None], pos[None], rope)[0].transpose(0, 1)
+            start = [0]
+            for _, n in step:
+                start.append(start[-1] + n)
+            lens = [seen[i] + n for i, n in step]
+            batch = SeqBatch(start, lens, table[[i for i, _ in step]])
+            o = paged.forward(pages, q, k, v, batch)
+            for (i, n), a in zip(step, start, strict=False):
+                outs[i].append(o[a : a + n])
+                seen[i] += n
+        results.append(({i: torch.cat(o) for i, o in outs.items() if o}, pages))
+    return results
+
+
+@pytest.mark.parametrize("kspec,vspec", [(KEY2, VAL2), (FP, FP)])
+def test_a_block_shared_in_the_step_that_fills_it_is_read_written(kspec, vspec):
+    """vLLM's prefix cache hands sequence 1 the blocks sequence 0 fills in the same step;
+    the step runs sequence 0 first, so sequence 1 attends as if they had been filled a step
+    earlier (the same outputs and pages), for a prefill and for a decode-shaped step."""
+    rope = _rope(64) if not kspec.full_precision else None
+    # prefill: 0 fills blocks 3 and 5 while 1, holding them, prefills its tail
+    x, y = _shared_pages(kspec, vspec, [[(0, 40), (1, 2)], [(0, 1), (1, 4)]],
+                         [[(0, 40)], [(1, 2)], [(0, 1), (1, 4)]], rope=rope)
+    # decode-shaped: 0's token 31 fills block 5 while 1 computes its one token after 32
+    xd, yd = _shared_pages(kspec, vspec, [[(0, 31)], [(0, 1), (1, 1)], [(0, 1), (1, 1)]],
+                           [[(0, 31)], [(0, 1)], [(1, 1)], [(0, 1), (1, 1)]], rope=rope)
+    for (ox, px), (oy, py) in ((x, y), (xd, yd)):
+        for i in ox:
+            assert (ox[i] - oy[i]).abs().max().item() <= 1e-6, f"sequence {i} differs"
+        assert torch.equal(px, py), "the shared step wrote other pages"
+
+
+def test_steps_without_shared_blocks_run_in_one_round():
+    table = torch.tensor([[0, 1], [2, 3]])
+    assert SeqBatch([0, 20, 25], [20, 5], table).rounds(16) is None
+    # 1 holds 0's block 0, filled in an earlier step: nothing to order
+    assert SeqBatch([0, 1, 4], [21, 19], torch.tensor([[0, 1], [0, 3]])).rounds(16) is None
+    rounds = SeqBatch([0, 20, 23], [20, 19], torch.tensor([[0, 1], [0, 3]])).rounds(16)
+    assert [r.tolist() for r, _ in rounds] == [list(range(20)), [20, 21, 22]]
+    assert rounds[1][1].seq_lens == [19] and rounds[1][1].block_table.tolist() == [[0, 3]]

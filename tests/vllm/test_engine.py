@@ -177,6 +177,42 @@ def test_fused_decode_step_generates_what_the_torch_path_does(tmp_path_factory):
     assert fused["tokens"] == torch_path["tokens"]
 
 
+def _prefix_spec(path: str, prompts: list, **engine) -> dict:
+    return {"model": path, "prompts": prompts, "max_tokens": 40,
+            "engine": {"dtype": "float32", "skip_tokenizer_init": True, "max_model_len": 512,
+                       "block_size": 96, "additional_config": {"kvpolicy": 2}, **engine}}
+
+
+def test_prefix_caching_shares_packed_blocks(tmp_path_factory):
+    """Prefix caching on: prompts sharing a 200-token prefix get its two full packed
+    blocks (of 96 tokens) from the cache, one prompt being the prefix's first 193 tokens
+    (its one new token attends over the shared blocks). A request reusing blocks reads
+    them packed, as a later chunk of a chunked prefill reads the earlier chunks: with
+    prefills chunked at the blocks (one sequence, 96 tokens a step), greedy outputs are
+    those of prefix caching off. With 8 sequences in a step, the others share the blocks
+    the first fills in that step (vLLM lists a block when it allocates it): on a one-layer
+    model, whose cached keys and values do not depend on how the prompt was split, their
+    outputs equal the chunked run's."""
+    head = [(7 * i + 5) % 250 + 3 for i in range(200)]
+    prompts = [head + [(11 * i + j) % 250 + 3 for i in range(5 + 13 * j)] for j in range(4)]
+    prompts += [head[:193], prompts[1]]
+    chunked = {"max_num_seqs": 1, "max_num_batched_tokens": 96}
+    for layers in (2, 1):
+        path = _tiny(tmp_path_factory, "llama", vocab_size=256, initializer_range=0.2,
+                     max_position_embeddings=1024, num_hidden_layers=layers)
+        on, _ = run_engine(_prefix_spec(path, prompts, enable_prefix_caching=True, **chunked))
+        assert min(on["cached"][1:]) >= 192, f"no block shared: {on['cached']}"
+        if layers == 2:
+            off, _ = run_engine(_prefix_spec(path, prompts, **chunked))
+            assert max(off["cached"]) == 0
+            assert on["tokens"] == off["tokens"]
+            continue
+        same, _ = run_engine(_prefix_spec(path, prompts, enable_prefix_caching=True,
+                                          max_num_seqs=8, max_num_batched_tokens=2048))
+        assert min(same["cached"][1:]) >= 192, f"no block shared in a step: {same['cached']}"
+        assert same["tokens"][1:] == on["tokens"][1:]
+
+
 def test_a_policy_that_does_not_fit_is_refused(smollm2, tmp_path):
     """A policy file written for a deeper model names a layer SmolLM2 does not have."""
     bad = tmp_path / "deeper.yaml"

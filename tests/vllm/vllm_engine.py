@@ -20,17 +20,19 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=spec["model"], seed=0, enforce_eager=True,
-              enable_prefix_caching=False, **spec.get("engine", {}))
+    engine = {"enable_prefix_caching": False, **spec.get("engine", {})}
+    llm = LLM(model=spec["model"], seed=0, enforce_eager=True, **engine)
     out: dict = {}
     cfg = llm.llm_engine.vllm_config
     out["block_size"] = cfg.cache_config.block_size
     out["num_gpu_blocks"] = cfg.cache_config.num_gpu_blocks
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec.get("prompts", [])]
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0,
+                            ignore_eos=True)
     if prompts:
-        res = llm.generate(prompts, SamplingParams(max_tokens=spec.get("max_tokens", 16),
-                                                   temperature=0, ignore_eos=True))
+        res = llm.generate(prompts, params)
         out["tokens"] = [list(r.outputs[0].token_ids) for r in res]
+        out["cached"] = [r.num_cached_tokens or 0 for r in res]
     if "score" in spec:
         ids = spec["score"]
         r = llm.generate([TokensPrompt(prompt_token_ids=ids)],
