@@ -31,6 +31,15 @@ over its capacity in tokens), and the ratio of bf16's bytes to the row's, which 
 speed-up a cache can give when reading bytes is all a step does.
 
     .venv-vllm/bin/python bench/vllm_serving.py --parts long     # the long part only
+
+The prefix-caching part (``--parts prefix``): 32 requests, each a shared 1,024-token system
+prompt and a 64-token question of its own, submitted together; the time until every one
+has its first token, with prefix caching on and off in the same engine configuration (KV
+memory holding all 32 in bf16), for vLLM's bf16 cache and ``{"kvpolicy": 2}`` at its
+default block (576 tokens: one block of the system prompt is shared) and at 192-token
+blocks (five). Beside each: how many first tokens equal the run's with caching off (bf16:
+all, the cache being exact; packed: a request reusing blocks reads them packed, as a later
+chunk of a chunked prefill does, where caching off attends over its prompt unquantized).
 """
 
 from __future__ import annotations
@@ -170,6 +179,64 @@ def long_part() -> None:
                   f"| {base_bytes / step:.2f}x |")
 
 
+SYSTEM, QUESTION, CLIENTS = 1024, 64, 32
+PREFIX = {"vLLM bf16": ("vLLM bf16", None), "kvpolicy bits=2": ("kvpolicy bits=2", None),
+          "kvpolicy bits=2, block 192": ("kvpolicy bits=2", 192)}
+
+
+def prefix_worker(row: str, caching: str) -> dict:
+    """One prefix-caching row: the first token of 32 requests sharing a system prompt."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvpolicy import zoo
+    name, block = PREFIX[row]
+    value = CONFIGS[name]
+    extra = {} if value is None else {"additional_config": {"kvpolicy": value}}
+    if block is not None:
+        extra["block_size"] = block
+    tokens = SYSTEM + QUESTION + 1
+    memory = (CLIENTS * math.ceil(tokens / 128) + 2) * 128 * _bf16_bytes_per_token()
+    llm = LLM(model=str(zoo.checkpoint()), dtype="bfloat16", seed=0, enforce_eager=True,
+              enable_prefix_caching=caching == "on", max_model_len=2048,
+              max_num_seqs=CLIENTS, kv_cache_memory_bytes=memory, **extra)
+    ids = _long_prompts(SYSTEM + CLIENTS * QUESTION + 512, 1)[0]
+    system, rest = ids[:SYSTEM], ids[SYSTEM:]
+    prompts = [TokensPrompt(prompt_token_ids=system + rest[i * QUESTION : (i + 1) * QUESTION])
+               for i in range(CLIENTS)]
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    # warm, on other text (the prefix cache stays cold for the system prompt)
+    llm.generate([TokensPrompt(prompt_token_ids=rest[-512:])], one, use_tqdm=False)
+    t = time.perf_counter()
+    res = llm.generate(prompts, one, use_tqdm=False)
+    out = {"ttft_s": time.perf_counter() - t,
+           "first": [r.outputs[0].token_ids[0] for r in res],
+           "cached": sum(r.num_cached_tokens or 0 for r in res),
+           "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
+    llm.llm_engine.engine_core.shutdown()
+    return out
+
+
+def prefix_part() -> None:
+    print(f"\nPrefix caching: {CLIENTS} requests of a shared {SYSTEM}-token system prompt + "
+          f"{QUESTION} tokens each, submitted together", flush=True)
+    rows: dict = {}
+    for row in PREFIX:
+        for caching in ("off", "on"):
+            rows[(row, caching)] = _run(row, f"prefix:{caching}")
+            print(row, caching, json.dumps(rows[(row, caching)]), flush=True)
+    print("\n| cache | block | prompt tokens from the cache | first token of all, s: off "
+          "| on | off / on | first tokens equal to off's |")
+    print("|" + "---|" * 7)
+    for row in PREFIX:
+        off, on = rows[(row, "off")], rows[(row, "on")]
+        same = sum(a == b for a, b in zip(off["first"], on["first"], strict=True))
+        total = CLIENTS * (SYSTEM + QUESTION)
+        print(f"| {row} | {on['block_size']} | {on['cached']:,} of {total:,} "
+              f"| {off['ttft_s']:.2f} | {on['ttft_s']:.2f} | {off['ttft_s'] / on['ttft_s']:.2f}x "
+              f"| {same} / {CLIENTS} |")
+
+
 def worker(name: str, job: str) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -232,19 +299,27 @@ def _run(name: str, job: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "JOB"), help=argparse.SUPPRESS)
-    ap.add_argument("--parts", nargs="+", choices=("short", "long"),
-                    default=["short", "long"],
-                    help="short: the 1/8/32-request table; long: the long-context rows")
+    ap.add_argument("--parts", nargs="+", choices=("short", "long", "prefix"),
+                    default=["short", "long", "prefix"],
+                    help="short: the 1/8/32-request table; long: the long-context rows; "
+                    "prefix: prefix caching on and off")
     args = ap.parse_args()
     if args.worker:
         name, job = args.worker
-        got = (long_worker(name, job[5:]) if job.startswith("long:") else worker(name, job))
+        if job.startswith("long:"):
+            got = long_worker(name, job[5:])
+        elif job.startswith("prefix:"):
+            got = prefix_worker(name, job[7:])
+        else:
+            got = worker(name, job)
         print("RESULT " + json.dumps(got), flush=True)
         os._exit(0)  # see tests/vllm/vllm_engine.py: skip the front end's teardown
     if "short" in args.parts:
         short_part()
     if "long" in args.parts:
         long_part()
+    if "prefix" in args.parts:
+        prefix_part()
 
 
 def short_part() -> None:
