@@ -245,7 +245,7 @@ def test_vllm_serve_over_http(smollm2, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smollm2,
          "--host", "127.0.0.1", "--port", str(port),
-         "--enforce-eager", "--max-model-len", "1024", "--no-enable-prefix-caching",
+         "--enforce-eager", "--max-model-len", "1024",
          "--additional-config", json.dumps({"kvpolicy": 2})],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **_ENV},
         start_new_session=True)
