@@ -316,6 +316,26 @@ inline float tanh_vec(float x) {
 
 struct Acc { float m, l; };
 
+// max(x[0..n)), -inf for n = 0; NaN entries are skipped, as std::max(m, x) skips them
+// (maxps returns its second operand, the running max, where the first is NaN).
+// NOTE: gcc keeps the std::max loop scalar (vmaxss) without -ffinite-math-only: 7 % of
+// run_item's samples at 7,680 tokens (perf, bench/paged_decode.py shapes, 1 thread).
+inline float row_max(const float* x, int64_t n) {
+  float m = NEG_INF;
+  int64_t t = 0;
+#if defined(__AVX2__)
+  if (n >= 8) {
+    __m256 mv = _mm256_set1_ps(NEG_INF);
+    for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(_mm256_loadu_ps(x + t), mv);
+    alignas(32) float b[8];
+    _mm256_store_ps(b, mv);
+    for (float v : b) m = std::max(m, v);
+  }
+#endif
+  for (; t < n; ++t) m = std::max(m, x[t]);
+  return m;
+}
+
 // Rotate nt key rows [nt][Dk] in place at positions pos[0..nt).
 inline void rope_rows(const Params& P, float* K, int64_t nt, const int64_t* pos) {
   constexpr int64_t half = KVP_HALF;  // rotary_dim / 2, compile-time like the head dims
@@ -408,6 +428,16 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
     // over channels, or copied), rotated at each token's position, scored against every row.
     for (int64_t g0 = t0; g0 < tn; g0 += Gk) {
       const int64_t nt = std::min(Gk, tn - g0);
+      // The tokens' positions (token indices where bounded), and whether the packed
+      // dequantization below rotates the rows itself (rotate_half, one width, no level
+      // table); else rope_rows rotates the tile after it is filled.
+      alignas(64) int64_t tpos[Gk];
+      const int64_t* gp = pos ? pos + g0 : nullptr;
+      if (bounded) {
+        for (int64_t j = 0; j < nt; ++j) tpos[j] = g0 + j + P.ppos0;
+        gp = tpos;
+      }
+      const bool rotated = !FP && !KLUT && KVP_HALF > 0 && P.rope_style == 1 && !P.kwid;
       if (FP) {
         const SType* src = (const SType*)P.fk + b * P.fk_sb + h * P.fk_sh + g0 * Dk;
         for (int64_t e = 0; e < nt * Dk; ++e) K[e] = to_f32(src[e]);
@@ -468,25 +498,36 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
             wrow[d] = w;
           }
           for (int k = 0; k < KU::per; ++k) {
-            float* kr = K + (u * KU::per + k) * Dk;
+            const int64_t j = u * KU::per + k;
+            float* kr = K + j * Dk;
+            const int sh = k * KB;
             if constexpr (KLUT) {
-              key_levels<KB>(klt, wrow, k * KB, sc, zc, kr);
+              key_levels<KB>(klt, wrow, sh, sc, zc, kr);
+            } else if (rotated && j < nt) {
+              // Dequantize and rotate (rotate_half) in one pass, each product as rope_rows
+              // computes it on the stored row.
+              // NOTE: 7,680 tokens, 1 thread, bench/paged_decode.py shapes: rope_rows was
+              // 14 % of run_item's samples (perf); this pass
+              const float* cs = P.cosc + (gp[j] - P.rope_off) * P.rope_rs;
+              const float* sn = P.sinc + (gp[j] - P.rope_off) * P.rope_rs;
+              constexpr int64_t half = KVP_HALF;
+              for (int64_t i = 0; i < half; ++i) {
+                const float x0 = (float)((wrow[i] >> sh) & KU::mask) * sc[i] + zc[i];
+                const float x1 =
+                    (float)((wrow[i + half] >> sh) & KU::mask) * sc[i + half] + zc[i + half];
+                kr[i] = x0 * cs[i] - x1 * sn[i];
+                kr[i + half] = x1 * cs[i] + x0 * sn[i];
+              }
+              for (int64_t d = 2 * half; d < Dk; ++d)
+                kr[d] = (float)((wrow[d] >> sh) & KU::mask) * sc[d] + zc[d];
             } else {
               for (int64_t d = 0; d < Dk; ++d)
-                kr[d] = (float)((wrow[d] >> (k * KB)) & KU::mask) * sc[d] + zc[d];
+                kr[d] = (float)((wrow[d] >> sh) & KU::mask) * sc[d] + zc[d];
             }
           }
         }
       }
-      if (P.rope_style != 0) {
-        if (bounded) {  // positions are token indices
-          alignas(64) int64_t tpos[Gk];
-          for (int64_t j = 0; j < nt; ++j) tpos[j] = g0 + j + P.ppos0;
-          rope_rows(P, K, nt, tpos);
-        } else {
-          rope_rows(P, K, nt, pos + g0);
-        }
-      }
+      if (P.rope_style != 0 && !rotated) rope_rows(P, K, nt, gp);
       for (int64_t r = 0; r < R; ++r) {
         const float* qr = q0 + r * Dk;
         float* sr = S.data() + r * n + (g0 - t0);
@@ -511,6 +552,21 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
             const __m256 lo = _mm256_permute2f128_ps(h0, h1, 0x20);
             const __m256 hi = _mm256_permute2f128_ps(h0, h1, 0x31);
             _mm256_storeu_ps(sr + j, _mm256_add_ps(lo, hi));
+          }
+          // NOTE: the rest of a key group in fours the same way (groups of 12 tokens: a
+          // third of the tokens took gcc's per-token horizontal sums)
+          for (; j + 4 <= nt; j += 4) {
+            __m256 a[4];
+            for (int jj = 0; jj < 4; ++jj) a[jj] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < Dk; d += 8) {
+              const __m256 qv = _mm256_loadu_ps(qr + d);
+              for (int jj = 0; jj < 4; ++jj)
+                a[jj] = _mm256_fmadd_ps(qv, _mm256_load_ps(K + (j + jj) * Dk + d), a[jj]);
+            }
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]),
+                                            _mm256_hadd_ps(a[2], a[3]));
+            _mm_storeu_ps(sr + j, _mm_add_ps(_mm256_castps256_ps128(h),
+                                             _mm256_extractf128_ps(h, 1)));
           }
         }
 #endif
@@ -538,8 +594,7 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
         const float* mr = mask + b * ms0 + hq * ms1 + i * ms2;
         for (int64_t t = 0; t < n; ++t) sr[t] += mr[(t0 + t) * ms3];
       }
-      float m = NEG_INF;
-      for (int64_t t = 0; t < n; ++t) m = std::max(m, sr[t]);
+      const float m = row_max(sr, n);
       st[r].m = m;
       st[r].l = 0.f;
       if (m == NEG_INF) {
@@ -562,6 +617,15 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
     float pblk[TB];
     for (int64_t tb = t0; tb < tn; tb += TB) {
       const int64_t nb = std::min<int64_t>(TB, tn - tb);
+      // The block's value scales and zeros in one call (a token's ngv groups follow the
+      // previous token's): per token, the 8-bit lookups' dependency chain and the barrier
+      // in meta8 cost 5 % of run_item (perf, 7,680 tokens, 1 thread).
+      alignas(32) float bst[TB * ngv], bzt[TB * ngv];
+      if constexpr (!FP && VVQ == 0) {
+        const int64_t tp0 = tb - toff;
+        group_meta<VM8>(P.stab, P.vs, pb * P.vs_sb + h * P.vs_sh + tp0 * ngv, P.vz,
+                        pb * P.vz_sb + h * P.vz_sh + tp0 * ngv, nb * ngv, bst, bzt);
+      }
       for (int64_t tt = 0; tt < TB; ++tt) {
         float* vrow = vblk[tt];
         if (tt >= nb) { std::fill(vrow, vrow + Dv, 0.f); continue; }
@@ -573,14 +637,14 @@ void run_item(const Params& P, int64_t b, int64_t t0, int64_t tn, Acc* stats, fl
         }
         const int64_t tp = t - toff;
         const uint8_t* row = P.vc + pb * P.vc_sb + h * P.vc_sh + tp * vbytes;
-        float stt[ngv], ztt[ngv];
         if constexpr (VVQ > 0) {  // vbytes = Dv / VVQ: one byte per sub-vector
-          group_scales<VM8>(P.stab, P.vs, pb * P.vs_sb + h * P.vs_sh + tp * ngv, ngv, stt);
-          vq_row(P.vcb + h * 256 * VVQ, row, stt, vrow);
+          float stv[ngv];
+          group_scales<VM8>(P.stab, P.vs, pb * P.vs_sb + h * P.vs_sh + tp * ngv, ngv, stv);
+          vq_row(P.vcb + h * 256 * VVQ, row, stv, vrow);
           continue;
         }
-        group_meta<VM8>(P.stab, P.vs, pb * P.vs_sb + h * P.vs_sh + tp * ngv, P.vz,
-                        pb * P.vz_sb + h * P.vz_sh + tp * ngv, ngv, stt, ztt);
+        const float* stt = bst + tt * ngv;
+        const float* ztt = bzt + tt * ngv;
 #if defined(__AVX2__) && defined(__FMA__)
         if constexpr (Gv % 8 == 0 && VB <= 4) {
           // NOTE: 8 codes per step: broadcast their bits, per-lane shift (vpsrlvd), mask,
