@@ -55,10 +55,7 @@ def main() -> None:
                               capture_output=True, text=True).stdout
     except subprocess.CalledProcessError as e:
         raise SystemExit(f"cannot read {SOURCE} at {args.base!r}: {e.stderr.strip()}") from e
-    inv = 1.0 / 1e5 ** (torch.arange(0, pd.D, 2, dtype=torch.float64) / pd.D)
-    ang = torch.arange(args.tokens + args.steps + 8, dtype=torch.float64)[:, None] * inv
-    ang = torch.cat((ang, ang), dim=-1)
-    rope = RotarySpec("rotate_half", pd.D, ang.cos().float(), ang.sin().float())
+    rope = pd.rope_table(args.tokens + args.steps + 8)
     with tempfile.TemporaryDirectory() as tmp:
         base_src = Path(tmp) / "cpu_ext.cpp"
         base_src.write_text(base)

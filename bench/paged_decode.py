@@ -93,6 +93,14 @@ class Case:
         return (time.perf_counter() - t0) / len(self.pages)
 
 
+def rope_table(positions: int) -> RotarySpec:
+    """SmolLM2's rotary table (base 1e5, rotate_half) over ``positions`` positions."""
+    inv = 1.0 / 1e5 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv
+    ang = torch.cat((ang, ang), dim=-1)
+    return RotarySpec("rotate_half", D, ang.cos().float(), ang.sin().float())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", type=int, nargs="+", default=[1, 8, 32])
@@ -106,10 +114,7 @@ def main() -> None:
     if args.steps < KEY.group_size:
         ap.error(f"--steps {args.steps}: at least one cycle of {KEY.group_size} steps")
     torch.set_num_threads(args.threads)
-    inv = 1.0 / 1e5 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
-    ang = torch.arange(args.tokens + args.steps + 8, dtype=torch.float64)[:, None] * inv
-    ang = torch.cat((ang, ang), dim=-1)
-    rope = RotarySpec("rotate_half", D, ang.cos().float(), ang.sin().float())
+    rope = rope_table(args.tokens + args.steps + 8)
     print(f"# {args.tokens} cached tokens per sequence, {args.steps} steps of "
           f"{args.layers} layers (times per layer), {args.threads} thread(s), "
           f"load {os.getloadavg()[0]:.1f}")
