@@ -53,7 +53,19 @@ def config_value(vllm_config: Any) -> Any:
     extra = getattr(vllm_config, "additional_config", None) or {}
     if not isinstance(extra, dict):
         return None
-    return extra.get(KEY)
+    # Other plugins share additional_config: only keys that read as ours are checked.
+    near = [k for k in extra if k != KEY and isinstance(k, str)
+            and k.lower().replace("_", "").replace("-", "").startswith(KEY)]
+    if near:
+        raise PolicyError(f"kvpolicy: additional_config key {near[0]!r} is not one kvpolicy "
+                          f"reads; name the policy under {KEY!r}, e.g. "
+                          f'{{"{KEY}": 2}} or {{"{KEY}": "kvpolicy-2"}}')
+    value = extra.get(KEY)
+    if isinstance(value, bool):
+        raise PolicyError(f"kvpolicy: additional_config[{KEY!r}] is {value!r}, which names no "
+                          "policy; give a width (2), a preset (\"kvpolicy-2\"), a policy "
+                          f"file or a dict, or leave {KEY!r} out to serve vLLM's own cache")
+    return value
 
 
 @dataclass

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvpolicy.errors import PolicyError
 from kvpolicy.vllm.config import configure_engine
 from kvpolicy.zoo.tiny import tiny_model
 
@@ -46,3 +47,49 @@ def test_a_packed_residual_window_is_said_to_be_served_at_16_bits(
     if said:
         assert "held in full precision whatever the policy says" in said[0]
     assert engine.cache_config.block_size % 32 == 0  # the packed policy's block size
+
+
+def _refused(engine, monkeypatch, tmp_path) -> str:
+    monkeypatch.setenv("KVPOLICY_CACHE", str(tmp_path))
+    block = engine.cache_config.block_size
+    with pytest.raises(PolicyError) as e:
+        configure_engine(engine)
+    assert engine.cache_config.block_size == block  # refused before changing the engine
+    return str(e.value)
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    ({"kvpolicy_bits": 2}, "key 'kvpolicy_bits' is not one kvpolicy reads; name the policy "
+                           "under 'kvpolicy'"),
+    ({"KVPolicy": 2, "other_plugin": 1}, "key 'KVPolicy' is not one kvpolicy reads"),
+    ({"kvpolicy": True}, "is True, which names no policy"),
+    ({"kvpolicy": False}, "is False, which names no policy"),
+    ({"kvpolicy": {"defaults": {"bitz": 2}}}, "field 'bitz': unknown field; did you mean "
+                                              "'bits'?"),
+    ({"kvpolicy": {"bits": 2}}, "field 'bits': unknown key; valid: version, defaults"),
+    ({"kvpolicy": "kvpolicy-7"}, "policy file not found; did you mean the preset "
+                                 "'kvpolicy-4'?"),
+    ({"kvpolicy": 7}, "7 bits is not supported"),
+])
+def test_a_malformed_additional_config_is_refused_with_its_cause(
+        checkpoint, extra, says, monkeypatch, tmp_path):
+    engine = _engine(*checkpoint, 2)
+    engine.additional_config = extra
+    assert says in _refused(engine, monkeypatch, tmp_path)
+
+
+def test_a_policy_for_another_model_is_refused(checkpoint, monkeypatch, tmp_path):
+    config, path = checkpoint
+    deeper = tmp_path / "deeper.yaml"
+    deeper.write_text("version: 1\ndefaults: {bits: 2}\n"
+                      "overrides:\n  - {layers: 40, tensor: key, bits: 4}\n")
+    why = _refused(_engine(config, path, str(deeper)), monkeypatch, tmp_path)
+    assert f"layer 40 is out of range; the model has {config.num_hidden_layers} layers" in why
+
+
+def test_another_plugins_keys_are_left_alone(checkpoint, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVPOLICY_CACHE", str(tmp_path))
+    engine = _engine(*checkpoint, 2)
+    engine.additional_config["other_plugin"] = {"x": 1}
+    configure_engine(engine)
+    assert engine.cache_config.block_size % 32 == 0
