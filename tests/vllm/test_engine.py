@@ -4,7 +4,9 @@ What holds: a 16-bit policy generates the tokens vLLM's own attention generates 
 and a tiny Gemma3 with sliding-window layers); at 2 bits vLLM holds several times more
 tokens in the same KV memory and its prompt-logprob perplexity is within 1% of the same
 quantizer through ``compile_model``; tensor parallelism over 2 ranks equals one rank; a
-policy that does not fit the model is refused at engine start, naming the mismatch.
+policy that does not fit the model is refused at engine start, naming the mismatch; under
+load (more requests than blocks, aborts, prefix caching) the engine finishes every request
+and frees every block.
 """
 
 from __future__ import annotations
@@ -213,6 +215,47 @@ def test_prefix_caching_shares_packed_blocks(tmp_path_factory):
         assert same["tokens"][1:] == on["tokens"][1:]
 
 
+def test_under_load_with_aborts_and_preemption(tmp_path_factory):
+    """16 requests at once (half sharing a 96-token head) into 8 blocks of 96 tokens, with
+    prefix caching on and two requests aborted after 5 output tokens: vLLM preempts some,
+    the engine finishes the rest at full length, and every block is free after the run.
+    A request never preempted generates what it generates served alone. A preempted one
+    does up to its preemption point; after it vLLM recomputes the request as one prefill,
+    whose queries read their own recent tokens in full precision where its decode steps
+    read completed key groups packed, so its later tokens may differ (docs/serving.md).
+    One layer, so that cached keys and values do not depend on how prompts were split."""
+    import random
+    path = _tiny(tmp_path_factory, "llama", vocab_size=256, initializer_range=0.2,
+                 max_position_embeddings=1024, num_hidden_layers=1)
+    rng = random.Random(0)
+    head = [(7 * i + 5) % 250 + 3 for i in range(96)]
+    prompts, max_tokens = [], []
+    for j in range(16):
+        tail = [rng.randrange(3, 253) for _ in range(rng.randrange(5, 150))]
+        prompts.append(head + tail if j % 2 else tail)
+        max_tokens.append(rng.randrange(20, 90))
+    engine = {"dtype": "float32", "skip_tokenizer_init": True, "max_model_len": 512,
+              "block_size": 96, "enable_prefix_caching": True,
+              "additional_config": {"kvpolicy": 2}}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core in the front end
+    got, _ = run_engine({"model": path,
+                         "engine": {**engine, "num_gpu_blocks_override": 8, "max_num_seqs": 16},
+                         "load": {"prompts": prompts, "max_tokens": max_tokens,
+                                  "abort": [3, 10], "abort_after": 5}}, env=env)
+    load = got["load"]
+    assert load["aborted"] == ["10", "3"]
+    assert sorted(load["tokens"], key=int) == [str(i) for i in range(16) if i not in (3, 10)]
+    assert load["preempted"], "8 blocks for 16 requests: vLLM preempted none"
+    assert load["free_blocks"] == load["blocks"], f"blocks leaked: {load}"
+    alone, _ = run_engine({"model": path, "engine": engine, "alone": True,
+                           "prompts": prompts, "max_tokens": max(max_tokens)}, env=env)
+    for rid, toks in load["tokens"].items():
+        want = alone["tokens"][int(rid)][: max_tokens[int(rid)]]
+        assert len(toks) == len(want), f"request {rid}: {len(toks)} of {len(want)} tokens"
+        upto = load["preempted"].get(rid, len(want))
+        assert toks[:upto] == want[:upto], f"request {rid} differs from its run alone"
+
+
 def test_a_policy_that_does_not_fit_is_refused(smollm2, tmp_path):
     """A policy file written for a deeper model names a layer SmolLM2 does not have."""
     bad = tmp_path / "deeper.yaml"
@@ -224,6 +267,22 @@ def test_a_policy_that_does_not_fit_is_refused(smollm2, tmp_path):
         capture_output=True, text=True, timeout=600, env={**os.environ, **_ENV})
     assert proc.returncode != 0
     assert "layer 40 is out of range; the model has 30 layers" in proc.stdout + proc.stderr
+
+
+def test_the_server_refuses_additional_config_that_is_not_json(tmp_path_factory):
+    """``--additional-config`` that does not parse: vLLM's server exits at start naming
+    the field and the text it got (the plugin's own refusals, of keys and values it
+    cannot serve, are in tests/policies/test_served_config.py)."""
+    path = _tiny(tmp_path_factory, "llama")
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
+         "--host", "127.0.0.1", "--port", str(_free_port()), "--enforce-eager",
+         "--additional-config", '{"kvpolicy": 2'],
+        capture_output=True, text=True, timeout=300, env={**os.environ, **_ENV})
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "additional_config" in said and "input_value='{\"kvpolicy\": 2'" in said, \
+        said[-3000:]
 
 
 def _free_port() -> int:
