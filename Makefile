@@ -77,6 +77,7 @@ docs: $(DSTAMP)
 
 bench-vllm: $(VSTAMP)
 	$(VPY) bench/vllm_serving.py
+	$(VPY) bench/vllm_load.py
 
 clean:
 	rm -rf $(VENV) $(VVENV) .pytest_cache .ruff_cache build *.egg-info

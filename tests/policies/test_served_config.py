@@ -93,3 +93,22 @@ def test_another_plugins_keys_are_left_alone(checkpoint, monkeypatch, tmp_path):
     engine.additional_config["other_plugin"] = {"x": 1}
     configure_engine(engine)
     assert engine.cache_config.block_size % 32 == 0
+
+
+@pytest.mark.parametrize("value", [2, "kvpolicy-2"])
+def test_a_2_bit_page_holds_4_5x_the_tokens_of_a_bf16_one(checkpoint, value, monkeypatch,
+                                                           tmp_path):
+    """What vLLM's capacity is made of: its blocks are the KV memory over a page's bytes
+    (every layer given the largest page), so tokens per byte against bf16 K/V are the
+    capacity ratio it reports, stage and sinks included."""
+    import torch
+
+    from kvpolicy.vllm.policy import served_policy
+    monkeypatch.setenv("KVPOLICY_CACHE", str(tmp_path))
+    config, path = checkpoint
+    served = served_policy(path, value, 256)
+    d = config.hidden_size // config.num_attention_heads
+    kw = dict(num_kv_heads=config.num_key_value_heads, head_dim=d, v_head_dim=d,
+              block_size=served.default_block_size(), cache_dtype=torch.bfloat16)
+    ratio = served.layout(0, **kw).fp_page_bytes() / served.page_bytes(**kw)
+    assert ratio >= 4.5, f"{value!r}: {ratio:.2f}x bf16's tokens per page byte"
