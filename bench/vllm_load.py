@@ -95,7 +95,8 @@ def _metric(text: str, name: str) -> float:
 class Server:
     """One ``api_server`` process, in its own process group (killed whole at exit)."""
 
-    def __init__(self, path: str, value, kv_bytes: int, clients: int, log: Path) -> None:
+    def __init__(self, path: str, value, kv_bytes: int, clients: int, log: Path,
+                 budget: int | None = None, block: int | None = None) -> None:
         self.port, self.log = _free_port(), log
         extra = [] if value is None else ["--additional-config",
                                           json.dumps({"kvpolicy": value})]
@@ -104,7 +105,9 @@ class Server:
              "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
              "--enforce-eager", "--max-model-len", "2048", "--seed", "0",
              "--max-num-seqs", str(clients), "--kv-cache-memory-bytes", str(kv_bytes),
-             "--disable-uvicorn-access-log", *extra],
+             "--disable-uvicorn-access-log", *extra,
+             *([] if budget is None else ["--max-num-batched-tokens", str(budget)]),
+             *([] if block is None else ["--block-size", str(block)])],
             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         self.url = f"http://127.0.0.1:{self.port}"
@@ -179,8 +182,10 @@ async def _alone(url: str, model: str, reqs: list[dict], which: list[int]) -> di
     return out
 
 
-def run_cache(name: str, path: str, reqs: list[dict], kv_bytes: int, logs: Path) -> dict:
-    server = Server(path, CACHES[name], kv_bytes, len(reqs), logs / f"{name}.log")
+def run_cache(name: str, path: str, reqs: list[dict], kv_bytes: int, logs: Path,
+              budget: int | None = None, block: int | None = None) -> dict:
+    server = Server(path, CACHES[name], kv_bytes, len(reqs), logs / f"{name}.log", budget,
+                    block if CACHES[name] is not None else None)
     try:
         server.wait()
         metrics = _get(server.url + "/metrics")
@@ -232,6 +237,13 @@ def main() -> None:
                     help="KV memory: what holds this many of the longest requests in bf16")
     ap.add_argument("--caches", nargs="+", choices=("bf16", "kvpolicy"),
                     default=["bf16", "kvpolicy"])
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the server's token budget per step (vLLM's CPU default: 2048); "
+                    "one above all prompts' tokens together keeps every prompt whole")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="kvpolicy's block (default: the plugin's, 576 for bits=2, where a "
+                    "request of this shape never outgrows the blocks it was admitted with, "
+                    "so vLLM never preempts it; 192 makes it grow)")
     args = ap.parse_args()
     from kvpolicy import zoo
     path = str(zoo.checkpoint())
@@ -247,7 +259,8 @@ def main() -> None:
     rows = {}
     with tempfile.TemporaryDirectory() as logs:
         for name in names:
-            rows[name] = run_cache(name, path, reqs, kv_bytes, Path(logs))
+            rows[name] = run_cache(name, path, reqs, kv_bytes, Path(logs),
+                                   args.max_num_batched_tokens, args.block_size)
             print(name, json.dumps(rows[name]), flush=True)
     base = rows.get("vLLM bf16")
     print("\n| cache | blocks x tokens | out tok/s (x bf16) | TTFT p50 / p90 s | completed "
