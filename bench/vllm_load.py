@@ -45,16 +45,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_serving import bf16_bytes_per_token  # noqa: E402  (this folder's bench)
+
 SYSTEM, QUESTIONS, OUTPUTS = 600, (16, 400), (32, 128)
 CACHES = {"vLLM bf16": None, "kvpolicy bits=2": 2}
 ABORT_EVERY, ABORT_AFTER = 10, 8  # every tenth client leaves after 8 chunks
-
-
-def _bf16_bytes_per_token(path: str) -> int:
-    from transformers import AutoConfig
-    c = AutoConfig.from_pretrained(path)
-    head_dim = getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)
-    return c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 2
 
 
 def _requests(path: str, clients: int) -> list[dict]:
@@ -249,7 +245,7 @@ def main() -> None:
     path = str(zoo.checkpoint())
     reqs = _requests(path, args.clients)
     longest = SYSTEM + QUESTIONS[1] + OUTPUTS[1]
-    kv_bytes = args.hold * math.ceil(longest / 128) * 128 * _bf16_bytes_per_token(path)
+    kv_bytes = args.hold * math.ceil(longest / 128) * 128 * bf16_bytes_per_token()
     names = [n for n, key in zip(CACHES, ("bf16", "kvpolicy"), strict=True)
              if key in args.caches]
     print(f"{args.clients} streaming clients, a shared {SYSTEM}-token system prompt + "

@@ -66,7 +66,7 @@ CONFIGS = {
 REQUESTS = {"vLLM bf16, KV for 32": 32}  # requests whose bf16 pages the KV memory holds
 
 
-def _bf16_bytes_per_token() -> int:
+def bf16_bytes_per_token() -> int:
     from transformers import AutoConfig
 
     from kvpolicy import zoo
@@ -77,7 +77,7 @@ def _bf16_bytes_per_token() -> int:
 
 def _kv_memory(requests: int = 8) -> int:
     blocks = math.ceil((PROMPT + OUTPUT) / 128)  # vLLM's CPU block of 128 tokens
-    return requests * blocks * 128 * _bf16_bytes_per_token()
+    return requests * blocks * 128 * bf16_bytes_per_token()
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -125,7 +125,7 @@ def long_worker(name: str, row: str) -> dict:
     extra = {} if value is None else {"additional_config": {"kvpolicy": value}}
     # n requests' blocks of 128 tokens in bf16, and the one block vLLM keeps back (its null
     # block) plus one of slack
-    memory = (n * math.ceil((prompt + output) / 128) + 2) * 128 * _bf16_bytes_per_token()
+    memory = (n * math.ceil((prompt + output) / 128) + 2) * 128 * bf16_bytes_per_token()
     llm = LLM(model=str(zoo.checkpoint()), dtype="bfloat16", seed=0, enforce_eager=True,
               enable_prefix_caching=False, max_model_len=prompt + output, max_num_seqs=n,
               kv_cache_memory_bytes=memory, **extra)
@@ -196,7 +196,7 @@ def prefix_worker(row: str, caching: str) -> dict:
     if block is not None:
         extra["block_size"] = block
     tokens = SYSTEM + QUESTION + 1
-    memory = (CLIENTS * math.ceil(tokens / 128) + 2) * 128 * _bf16_bytes_per_token()
+    memory = (CLIENTS * math.ceil(tokens / 128) + 2) * 128 * bf16_bytes_per_token()
     llm = LLM(model=str(zoo.checkpoint()), dtype="bfloat16", seed=0, enforce_eager=True,
               enable_prefix_caching=caching == "on", max_model_len=2048,
               max_num_seqs=CLIENTS, kv_cache_memory_bytes=memory, **extra)

@@ -29,13 +29,13 @@ def main() -> None:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec.get("prompts", [])]
     params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0,
                             ignore_eos=True)
-    if prompts and spec.get("alone"):  # one request at a time, each served alone
-        res = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    if prompts:
+        if spec.get("alone"):  # one request at a time, each served alone
+            res = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        else:
+            res = llm.generate(prompts, params)
+            out["cached"] = [r.num_cached_tokens or 0 for r in res]
         out["tokens"] = [list(r.outputs[0].token_ids) for r in res]
-    elif prompts:
-        res = llm.generate(prompts, params)
-        out["tokens"] = [list(r.outputs[0].token_ids) for r in res]
-        out["cached"] = [r.num_cached_tokens or 0 for r in res]
     if "load" in spec:
         out["load"] = _load(llm, spec["load"])
     if "score" in spec:
@@ -55,7 +55,6 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
 
 
 def _load(llm, load: dict) -> dict:
