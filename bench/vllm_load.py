@@ -168,14 +168,21 @@ async def _load(url: str, model: str, reqs: list[dict]) -> tuple[list[dict], flo
         return list(res), time.perf_counter() - t
 
 
-async def _alone(url: str, model: str, reqs: list[dict], which: list[int]) -> dict:
+async def _alone(url: str, model: str, reqs: list[dict]) -> list:
+    """``reqs`` one after the other: each one's tokens, or how it ended if it failed."""
     import aiohttp
-    out = {}
+    out = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
-        for i in which:
-            got = await _stream(s, url, model, reqs[i], None)
-            out[i] = got.get("tokens") if got["end"] == "done" else got["end"]
+        for r in reqs:
+            got = await _stream(s, url, model, r, None)
+            out.append(got.get("tokens") if got["end"] == "done" else got["end"])
     return out
+
+
+def _info(metrics: str, label: str) -> int | None:
+    """A label of vLLM's ``cache_config_info`` metric, as an int (None when absent)."""
+    found = re.search(rf'^vllm:cache_config_info{{[^}}]*{label}="(\d+)"', metrics, flags=re.M)
+    return int(found.group(1)) if found else None
 
 
 def run_cache(name: str, path: str, reqs: list[dict], kv_bytes: int, logs: Path,
@@ -185,27 +192,23 @@ def run_cache(name: str, path: str, reqs: list[dict], kv_bytes: int, logs: Path,
     try:
         server.wait()
         metrics = _get(server.url + "/metrics")
-        info = re.search(r'^vllm:cache_config_info{[^}]*num_gpu_blocks="(\d+)"', metrics,
-                         flags=re.M)
-        blocks = int(info.group(1)) if info else None
-        bs = re.search(r'^vllm:cache_config_info{[^}]*block_size="(\d+)"', metrics,
-                       flags=re.M)
+        blocks, block_size = _info(metrics, "num_gpu_blocks"), _info(metrics, "block_size")
         # warm the server on other text (the system prompt stays out of the prefix cache)
         warm = {"prompt": reqs[-1]["prompt"][SYSTEM:][:64], "max_tokens": 4}
-        asyncio.run(_alone(server.url, path, [warm], [0]))
+        asyncio.run(_alone(server.url, path, [warm]))
         res, wall = asyncio.run(_load(server.url, path, reqs))
         done = [i for i, r in enumerate(res) if r["end"] == "done"]
         aborted = [i for i, r in enumerate(res) if r["end"] == "aborted"]
         failed = {i: r["end"] for i, r in enumerate(res) if i not in done + aborted}
         metrics = _get(server.url + "/metrics")
         preempted = _metric(metrics, "vllm:num_preemptions_total")
-        alone = asyncio.run(_alone(server.url, path, reqs, done))
-        equal = sum(alone[i] == res[i]["tokens"] for i in done)
+        alone = asyncio.run(_alone(server.url, path, [reqs[i] for i in done]))
+        equal = sum(a == res[i]["tokens"] for a, i in zip(alone, done, strict=True))
         full = sum(len(res[i]["tokens"]) == reqs[i]["max_tokens"] for i in done)
         # A 1-token probe, then the usage gauge: it is set from the scheduler's stats after
         # a step's finished requests are freed, so anything still in use leaked.
         probe = {"prompt": reqs[0]["prompt"][SYSTEM:][:8], "max_tokens": 1}
-        asyncio.run(_alone(server.url, path, [probe], [0]))
+        asyncio.run(_alone(server.url, path, [probe]))
         usage = _metric(_get(server.url + "/metrics"), "vllm:kv_cache_usage_perc")
         try:
             _get(server.url + "/health", timeout=10)
@@ -216,7 +219,7 @@ def run_cache(name: str, path: str, reqs: list[dict], kv_bytes: int, logs: Path,
         server.close()
     ttft = sorted(res[i]["ttft"] for i in done if res[i]["ttft"] is not None)
     out_tokens = sum(len(r.get("tokens") or ()) for r in res)
-    return {"blocks": blocks, "block_size": int(bs.group(1)) if bs else None,
+    return {"blocks": blocks, "block_size": block_size,
             "tok/s": out_tokens / wall, "wall_s": wall,
             "ttft_p50": statistics.median(ttft) if ttft else math.nan,
             "ttft_p90": ttft[int(0.9 * (len(ttft) - 1))] if ttft else math.nan,
