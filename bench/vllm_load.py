@@ -263,7 +263,7 @@ def main() -> None:
             print(name, json.dumps(rows[name]), flush=True)
     base = rows.get("vLLM bf16")
     print("\n| cache | blocks x tokens | out tok/s (x bf16) | TTFT p50 / p90 s | completed "
-          "(full length) | aborted | failed | preemptions | equal to alone | leaked blocks "
+          "(full length) | aborted | failed | preemptions | equal to alone | blocks in use after "
           "| up after |")
     print("|" + "---|" * 11)
     for name, r in rows.items():
