@@ -88,6 +88,10 @@ class PagedLayout:
             return [(f"{prefix}_codes", torch.uint8, (h, bs // g, g * bits // 8, d)),
                     (f"{prefix}_scale", sdt, (h, bs // g, d)),
                     (f"{prefix}_zero", zdt, (h, bs // g, d))]
+        if spec.vq:  # one byte per sub-vector of vq_dim channels, a scale per group, no zero
+            return [(f"{prefix}_codes", torch.uint8, (h, bs, d // spec.vq_dim)),
+                    (f"{prefix}_scale", sdt, (h, bs, d // g)),
+                    (f"{prefix}_zero", zdt, (h, bs, 0))]
         return [(f"{prefix}_codes", torch.uint8, (h, bs, d * bits // 8)),
                 (f"{prefix}_scale", sdt, (h, bs, d // g)),
                 (f"{prefix}_zero", zdt, (h, bs, d // g))]

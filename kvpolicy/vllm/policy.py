@@ -31,9 +31,8 @@ import torch
 
 from ..api import derive_policy
 from ..errors import KVPolicyError, PolicyError
-from ..kernels.layout import QuantSpec, RotarySpec
+from ..kernels.layout import Codebook, QuantSpec, RotarySpec
 from ..policies import ModelPolicy
-from ..policies.render import ranges
 from ..runtime.cache import storage_dtype
 from ..runtime.paged import PagedLayout
 from ..zoo.models import cache_dir
@@ -88,6 +87,10 @@ class ServedPolicy:
         ks, vs = k.quant_spec(), v.quant_spec()
         if ks.widths is not None and kv_heads is not None:
             ks = replace(ks, widths=tuple(ks.widths[h] for h in kv_heads))
+        book = vs.codebook
+        if book is not None and kv_heads is not None and len(kv_heads) != book.heads:
+            # vq values: the rank's heads' centroids (fp16 both ways: the same values)
+            vs = replace(vs, codebook=Codebook.from_tensor(book.tensor()[list(kv_heads)]))
         return ks, vs
 
     def store_dtype(self, layer: int, cache_dtype: torch.dtype) -> torch.dtype:
@@ -155,13 +158,6 @@ class ServedPolicy:
                             f"{num_kv_heads}")
         if k.head_dim != head_dim:
             problems.append(f"the policy's head_dim is {k.head_dim}, the model's {head_dim}")
-        vq = sorted({t.layer for t in self.policy.tensors if t.vq})
-        if vq:  # no silent downgrade: a vq value has no page layout here yet
-            raise PolicyError(
-                f"kvpolicy: the policy {self.policy.source!r} vector-quantizes the values of "
-                f"layers {ranges(vq)} (levels: vq), which the vLLM pages do not serve yet; "
-                "derive the served policy with levels: uniform for values, or with "
-                "budget_pages (a budget over vLLM's pages never prices vq)")
         if problems:
             raise PolicyError(f"kvpolicy: the policy {self.policy.source!r} does not fit the "
                               f"served model: {'; '.join(problems)}; derive it from this "
@@ -232,13 +228,10 @@ def _derive(model_path: str, value: Any, max_positions: int) -> ServedPolicy:
         tokenizer = None
     bits = value if isinstance(value, (int, float)) and not isinstance(value, bool) else 2
     policy = None if isinstance(value, (int, float)) else value
-    # vLLM's pages have no layout for vq values: a budget is allocated over scalar codes.
+    # As compile_model derives it: a stored-bits budget may price vq values, which pages hold
+    # (a budget over pages, budget_pages, prices scalar codes only: calibrate.apply)
     pol = derive_policy(model, bits=bits, policy=policy, calibration=tokenizer,
-                        progress=False, vq_values=False)
-    if pol.budget_unit == "stored" and pol.budget_pages is None:
-        log.warning("kvpolicy: the stored-bits budget was allocated over scalar codes only; "
-                    "compile_model would also price vector-quantized values (levels: vq), "
-                    "which the vLLM pages do not serve yet")
+                        progress=False)
     rope, why = _rope_table(model, pol, max_positions)
     dtype = getattr(model.config, "dtype", None)
     del model

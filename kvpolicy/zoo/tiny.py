@@ -23,6 +23,7 @@ __all__ = [
     "TINY_ARCHITECTURES",
     "tiny_config",
     "tiny_model",
+    "byte_tokenizer",
     "NanoGPT",
     "NanoGPTAttention",
     "GptFast",
@@ -112,6 +113,20 @@ def tiny_model(arch: str, *, seed: int = 0, attn_implementation: str | None = No
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
     return model.eval()
+
+
+def byte_tokenizer():
+    """A transformers tokenizer whose 256 tokens are the bytes (byte-level, no merges), for
+    a tiny model of ``vocab_size=256``: what lets text calibration (``channel_widths:
+    auto``, ``levels: vq``) run on one, saved beside it with ``save_pretrained``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
 # ---------------------------------------------------------------------------------------

@@ -112,3 +112,41 @@ def test_a_2_bit_page_holds_4_5x_the_tokens_of_a_bf16_one(checkpoint, value, mon
               block_size=served.default_block_size(), cache_dtype=torch.bfloat16)
     ratio = served.layout(0, **kw).fp_page_bytes() / served.page_bytes(**kw)
     assert ratio >= 4.5, f"{value!r}: {ratio:.2f}x bf16's tokens per page byte"
+
+
+VQ = {"defaults": {"bits": 2, "levels": "vq", "residual": 0}}
+
+
+def test_vq_values_are_served_with_each_ranks_codebook(monkeypatch, tmp_path):
+    """``levels: vq`` values (codebooks fitted on the text of the tokenizer beside the
+    checkpoint): a page holds one byte per sub-vector and a scale per group, no zero, and a
+    tensor-parallel rank gets its own kv heads' centroids."""
+    import torch
+
+    from kvpolicy.vllm.policy import served_policy
+    from kvpolicy.zoo.tiny import byte_tokenizer
+    monkeypatch.setenv("KVPOLICY_CACHE", str(tmp_path / "cache"))
+    model = tiny_model("llama", vocab_size=256)
+    path = tmp_path / "tiny-llama"
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    served = served_policy(str(path), VQ, 256)
+    _, whole = served.specs(0)
+    assert whole.vq and whole.codebook.heads == 2
+    for h in range(2):
+        _, part = served.specs(0, range(h, h + 1))
+        assert torch.equal(part.codebook.tensor(), whole.codebook.tensor()[h : h + 1])
+    d = model.config.hidden_size // model.config.num_attention_heads
+    kw = dict(num_kv_heads=2, head_dim=d, v_head_dim=d, block_size=served.default_block_size(),
+              cache_dtype=torch.bfloat16)
+    fields = {f.name: f for f in served.layout(0, **kw).fields}
+    assert fields["v_codes"].shape == (2, kw["block_size"], d // whole.vq_dim)
+    assert fields["v_zero"].nbytes == 0
+    uniform = served_policy(str(path), {"defaults": {"bits": 2, "residual": 0}}, 256)
+    assert served.page_bytes(**kw) < uniform.page_bytes(**kw)
+
+
+def test_vq_values_without_text_to_fit_them_on_are_refused(checkpoint, monkeypatch, tmp_path):
+    said = _refused(_engine(*checkpoint, VQ), monkeypatch, tmp_path)
+    assert "levels: vq fits its codebooks on calibration text" in said
+    assert "use levels: uniform" in said

@@ -11,8 +11,8 @@ key groups, chunks and blocks. What must hold after every step:
   packing is the torch quantizer in both; with a Hadamard value rotation (a matmul whose
   summation order differs) values may differ by a rounding of the storage dtype, so there
   the bytes are compared through the outputs only;
-  (vector-quantized values have no page layout yet, so no case here: the served policy
-  refuses them);
+  vector-quantized values are packed by the torch quantizer after the step (the C++
+  packing covers uniform scalar codes), and read from the pages by the C++ kernel;
 - the outputs agree to within 2e-6 of their scale in fp32 storage (the kernel sums the
   same terms, cut to the visible tokens, so sums group differently) and within one
   rounding of the output dtype (bf16 / fp16) otherwise.
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from kvpolicy.errors import CacheError
-from kvpolicy.kernels.layout import QuantSpec
+from kvpolicy.kernels.layout import Codebook, QuantSpec
 from kvpolicy.runtime.paged import PagedKV, PagedLayout, SeqBatch
 from kvpolicy.zoo.tiny import rope_spec
 
@@ -35,6 +35,12 @@ pytest.importorskip("kvpolicy.kernels.cpu_ext")
 
 def _widths(bits: int, d: int, heads: int) -> tuple[tuple[int, ...], ...]:
     return (tuple([bits - 1, bits + 1] * (d // 4) + [bits] * (d // 2)),) * heads
+
+
+def _vq(bits: int, group: int, heads: int, meta_bits: int) -> QuantSpec:
+    g = torch.Generator().manual_seed(5)
+    book = Codebook.from_tensor(torch.randn(heads, 256, 8 // bits, generator=g))
+    return QuantSpec(bits, group, "token", "vq", meta_bits, codebook=book)
 
 
 # name: key spec, value spec, kv heads, query heads, head dim, block, sinks, storage dtype,
@@ -67,6 +73,13 @@ CASES = {
     "mse-values-fp16": (QuantSpec(2, 16, "channel", meta_bits=8, fit="mse"),
                         QuantSpec(4, 16, "token", meta_bits=8, fit="mse"), 2, 6, 32, 32, 3,
                         torch.float16, ("interleaved", 32), None, None, "none"),
+    # vector-quantized values: 2 bits (sub-vectors of 4 channels) with 8-bit scales and a
+    # Hadamard rotation as a budget picks them; 1 bit (8 channels), 16-bit scales, MQA
+    "vq-values-bits2": (QuantSpec(2, 12, "channel", meta_bits=8, fit="mse"), _vq(2, 32, 2, 8),
+                        2, 6, 64, 48, 4, torch.bfloat16, ("rotate_half", 64), None, None,
+                        "hadamard"),
+    "vq-values-bits1-mqa": (QuantSpec(2, 16, "channel"), _vq(1, 16, 1, 16), 1, 4, 32, 32, 2,
+                            torch.float32, ("rotate_half", 32), None, None, "none"),
 }
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvpolicy.errors import CacheError
-from kvpolicy.kernels.layout import QuantSpec, RotarySpec
+from kvpolicy.kernels.layout import Codebook, QuantSpec, RotarySpec
 from kvpolicy.kernels.reference import apply_rope
 from kvpolicy.runtime.layer import PackedKVLayer
 from kvpolicy.runtime.paged import PagedKV, PagedLayout, SeqBatch, sdpa_prefill
@@ -97,6 +97,8 @@ def _run(kspec, vspec, *, sinks, steps, block_size=32, rope=None, window=None,
 KEY2 = QuantSpec(2, 8, "channel")
 VAL2 = QuantSpec(2, 8, "token")
 FP = QuantSpec(16, 1, "token")
+VQ2 = QuantSpec(2, 8, "token", "vq", 8, codebook=Codebook.from_tensor(
+    torch.randn(H, 256, 4, generator=torch.Generator().manual_seed(5))))
 # Two sequences, both chunked prefill first, then decode interleaved with a third chunk.
 STEPS = [[13, 5], [20, 1], [1, 1], [1, 30], [1, 1], [1, 1], [7, 1]] + [[1, 1]] * 9
 
@@ -104,7 +106,8 @@ STEPS = [[13, 5], [20, 1], [1, 1], [1, 30], [1, 1], [1, 1], [7, 1]] + [[1, 1]] *
 @pytest.mark.parametrize("kspec,vspec", [(KEY2, VAL2), (QuantSpec(4, 16, "channel"), VAL2),
                                          (KEY2, FP), (FP, FP),
                                          (QuantSpec(2, 8, "channel", meta_bits=8, fit="mse"),
-                                          QuantSpec(2, 8, "token", meta_bits=8))])
+                                          QuantSpec(2, 8, "token", meta_bits=8)),
+                                         (KEY2, VQ2)])
 def test_paged_matches_contiguous_cache(kspec, vspec):
     worst, scale = _run(kspec, vspec, sinks=0, steps=STEPS)
     assert worst <= 1e-5 * max(scale, 1.0), f"paged vs contiguous: {worst:.3g}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpolicy.kernels.layout import QuantSpec
+from kvpolicy.kernels.layout import Codebook, QuantSpec
 from kvpolicy.runtime import paged
 from kvpolicy.runtime.paged import PagedKV, PagedLayout, SeqBatch
 from kvpolicy.zoo.tiny import rope_spec
@@ -22,6 +22,10 @@ CASES = {
                                32, 32, 3, torch.float32, "interleaved", 50, "none"),
     "bf16-no-sinks": (QuantSpec(2, 16, "channel"), QuantSpec(2, 16, "token", "normal"), 1, 4,
                       32, 32, 0, torch.bfloat16, "rotate_half", None, "none"),
+    "vq-values": (QuantSpec(2, 12, "channel", meta_bits=8, fit="mse"),
+                  QuantSpec(2, 32, "token", "vq", 8, codebook=Codebook.from_tensor(
+                      torch.randn(3, 256, 4, generator=torch.Generator().manual_seed(5)))),
+                  3, 9, 64, 48, 4, torch.float32, "rotate_half", None, "hadamard"),
     "16-bit": (QuantSpec(16, 1, "token"), QuantSpec(16, 1, "token"), 2, 4, 32, 32, 0,
                torch.float32, None, None, "none"),
 }

@@ -4,7 +4,8 @@ What holds: a 16-bit policy generates the tokens vLLM's own attention generates 
 and a tiny Gemma3 with sliding-window layers); at 2 bits vLLM holds several times more
 tokens in the same KV memory and its prompt-logprob perplexity is within 1% of the same
 quantizer through ``compile_model``; tensor parallelism over 2 ranks equals one rank; a
-policy that does not fit the model is refused at engine start, naming the mismatch; under
+policy that does not fit the model is refused at engine start, naming the mismatch;
+vector-quantized values are served as compile_model serves them; under
 load (more requests than blocks, aborts, prefix caching) the engine finishes every request
 and frees every block.
 """
@@ -61,11 +62,15 @@ def pydoc_ids(smollm2) -> list[int]:
     return pydoc_tokens(tok)[40000:40768].tolist()
 
 
-def _tiny(tmp_path_factory, arch: str, **overrides) -> str:
-    from kvpolicy.zoo.tiny import tiny_model
+def _tiny(tmp_path_factory, arch: str, *, tokenizer: bool = False, **overrides) -> str:
+    """A tiny model saved to a fresh folder (``tokenizer``: with a byte tokenizer beside
+    it, for policies that calibrate on text; then ``vocab_size`` must be 256)."""
+    from kvpolicy.zoo.tiny import byte_tokenizer, tiny_model
     model = tiny_model(arch, **overrides)
     out = tmp_path_factory.mktemp(arch)
     model.save_pretrained(out)
+    if tokenizer:
+        byte_tokenizer().save_pretrained(out)
     return str(out)
 
 
@@ -141,16 +146,39 @@ def test_2_bits_capacity_and_perplexity_match_compile_model(smollm2, pydoc_ids):
     assert got / fp < 1.05, f"2 bits {got:.4f} against fp {fp:.4f}"
 
 
-def test_tensor_parallel_2_equals_one_rank(tmp_path_factory):
-    """Each rank holds the packed pages of its kv head; outputs as with one rank."""
+VQ = {"defaults": {"bits": 2, "levels": "vq", "residual": 0}}
+
+
+def test_vq_values_served_within_1_percent_of_compile_model(smollm2, pydoc_ids):
+    """Vector-quantized values (``levels: vq``, codebooks fitted on the tokenizer's text as
+    compile_model fits them) in pages of one byte per 4 channels and a scale per group:
+    more tokens per byte than ``bits=2``'s pages, perplexity within 1% of compile_model's."""
+    engine = {"dtype": "float32", "max_model_len": 2048, "max_num_batched_tokens": 64,
+              "max_num_seqs": 64}
+    ours, log = run_engine({"model": smollm2, "score": pydoc_ids,
+                            "engine": {**engine, "additional_config": {"kvpolicy": VQ}}})
+    page = re.findall(r"layer 0 (\d+) bytes per block of (\d+) tokens \(([\d.]+)x smaller "
+                      r"than torch.float16 K/V\); k_codes, k_scale, k_zero, v_codes, v_scale, "
+                      r"v_zero", log)
+    assert page, "the engine logged no vq page for layer 0"
+    assert float(page[-1][2]) >= 5.0, f"a vq page holds {page[-1][2]}x fp16's tokens"
+    want = _compiled_perplexity(smollm2, pydoc_ids, VQ, 64)
+    got = ours["perplexity"]
+    assert abs(got / want - 1) <= 0.01, f"vLLM {got:.4f} vs compile_model {want:.4f}"
+
+
+@pytest.mark.parametrize("value", [2, VQ], ids=["bits2", "vq-values"])
+def test_tensor_parallel_2_equals_one_rank(tmp_path_factory, value):
+    """Each rank holds the packed pages of its kv head (and, for vq values, its head's
+    codebook); outputs as with one rank."""
     path = _tiny(tmp_path_factory, "llama", vocab_size=256, initializer_range=0.2,
-                 max_position_embeddings=1024)
+                 max_position_embeddings=1024, tokenizer=value is VQ)
     prompts = [[(5 * i + 1) % 250 + 3 for i in range(90)]]
     score = [(11 * i + 7) % 250 + 3 for i in range(200)]
     spec = {"model": path, "prompts": prompts, "max_tokens": 16, "score": score,
             "engine": {"dtype": "float32", "skip_tokenizer_init": True, "max_model_len": 512,
                        "max_num_batched_tokens": 32, "max_num_seqs": 32,
-                       "additional_config": {"kvpolicy": 2}}}
+                       "additional_config": {"kvpolicy": value}}}
     one, _ = run_engine(spec)
     spec["engine"]["tensor_parallel_size"] = 2
     two, _ = run_engine(spec, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
