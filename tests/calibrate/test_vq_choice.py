@@ -144,13 +144,15 @@ def test_a_saved_budget_keeps_its_vq_codebooks_without_calibrating_again(tmp_pat
     assert again.tensors == pol.tensors
 
 
-def test_vllm_serving_refuses_vq_values_with_the_way_out():
+def test_vllm_serving_accepts_vq_values_with_their_codebooks():
     from kvpolicy.vllm.policy import ServedPolicy
 
     pol = kvpolicy.derive_policy(tiny_model("llama"), policy=VQ, calibration=_ids(96))
     served = ServedPolicy(pol, None, "", torch.float32)
-    with pytest.raises(PolicyError, match=r"layers 0-1 \(levels: vq\).*levels: uniform"):
-        served.check_model(num_layers=2, num_kv_heads=2, head_dim=32)
+    served.check_model(num_layers=2, num_kv_heads=2, head_dim=32)  # no refusal
+    for layer in (0, 1):
+        _, vs = served.specs(layer)
+        assert vs.vq and vs.codebook is not None and vs.codebook.heads == 2
 
 
 def test_the_default_text_fits_codebooks_on_tokens_held_out_from_the_calibration(smollm2):
