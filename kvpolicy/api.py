@@ -71,7 +71,7 @@ def derive_policy(
         stored_bits: a budget of average *stored* bits per cached element, scales and
             zeros included (see ``compile_model``); excludes a float ``bits``.
         vq_values: let a stored-bits budget price vector-quantized values (``levels:
-            auto``); False keeps it to scalar codes (the vLLM plugin: its pages serve none).
+            auto``); False keeps it to scalar codes (a comparison without them).
 
     Returns:
         A ``ModelPolicy``: per layer, key then value, axis/bits/group/pre-RoPE/residual/

@@ -224,7 +224,8 @@ def _variant_reason(t: TensorPolicy, data: dict[str, Any], w: int, plain: float 
 def _vq_options(calibration: Calibration, t: TensorPolicy, pages: int | None
                 ) -> dict[Option, float]:
     """``{(width, head_dim, 8, 1): error}`` of ``t`` vector-quantized where the calibration
-    priced it (``calibrate.vq.priced``); none over vLLM pages, which do not serve vq."""
+    priced it (``calibrate.vq.priced``); none for a budget over pages (``budget_pages``:
+    not enabled there yet)."""
     if not vq.priced(t) or pages is not None or t.bits_from == "rule":
         return {}
     return {(w, t.head_dim, 8, 1): e for w, (e, _) in calibration.vq_errors(t.layer).items()}

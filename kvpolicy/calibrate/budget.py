@@ -380,8 +380,7 @@ def calibrate(
             weighs the output change by the calibration loss's gradient; ``"relative"`` is
             the plain relative output error.
         vq_values: price vector-quantized values where a value's levels and metadata are
-            the budget's to choose (``calibrate.vq.priced``); False: scalar options only
-            (what vLLM's pages serve).
+            the budget's to choose (``calibrate.vq.priced``); False: scalar options only.
 
     Returns:
         A :class:`~kvpolicy.policies.Calibration`; deterministic for the same input.
