@@ -132,8 +132,10 @@ def derive_policy(
 
 def save_policy(model: nn.Module, path: str | Path) -> Path:
     """Write the spec behind ``model``'s last derived or compiled policy as a YAML policy
-    file, with its calibration for a budget: compiling from that file gives the same policy
-    without calibrating again.
+    file, with its calibration for a budget: compiling from that file gives the same widths
+    and layout without calibrating them again. Fitted ``levels: vq`` codebooks are not
+    written (a policy file has no field for them): compiling from the file refits them on
+    calibration text, so it needs a tokenizer or ``calibration`` again.
 
     Raises:
         KVPolicyError: no policy was derived for ``model`` yet.
