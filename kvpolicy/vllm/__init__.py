@@ -14,8 +14,8 @@ the key runs vLLM's own attention, unchanged.
 What the engine's config is changed to, said once in the log: a block size that the
 policy's key groups tile (when none was given). Prefix caching stays as vLLM sets it (on by
 default): full packed blocks are shared as vLLM's own are. Refused at engine
-start: speculative decoding, and quantized keys or values on a model with sliding-window
-layers (a 16-bit policy serves those).
+start: speculative decoding. Sliding-window layers hold packed pages as global ones do
+(vLLM frees the blocks their window has left).
 """
 
 from __future__ import annotations

@@ -79,6 +79,14 @@ def local_kv_heads(total: int) -> range:
     return range(h, h + 1)
 
 
+def _engine_block_size(served: ServedPolicy) -> int:
+    """The block size the engine runs with (set by ``configure_engine``), else the one it
+    would set."""
+    cfg = get_current_vllm_config_or_none()
+    size = getattr(getattr(cfg, "cache_config", None), "block_size", None)
+    return size if size and size % served.chunk() == 0 else served.default_block_size()
+
+
 class KVPolicyAttentionBackend(CPUAttentionBackend):
     """``CPU_ATTN`` with a packed page per block when the engine serves a kvpolicy."""
 
@@ -87,13 +95,19 @@ class KVPolicyAttentionBackend(CPUAttentionBackend):
         served = active_policy()
         if served is None or served.full_precision() or spec.state_content_bytes is not None:
             return super().customize_spec(spec)
+        block = spec.block_size
+        if block % served.chunk():
+            # vLLM probes sliding-window layers with a one-token spec and picks their block
+            # size as the page budget over its bytes: any per-token figure gives the engine's
+            # block size back, and the final spec (whole blocks) is customized again below.
+            block = _engine_block_size(served)
         page = served.page_bytes(
             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
-            v_head_dim=spec.head_size_v, block_size=spec.block_size, cache_dtype=spec.dtype)
+            v_head_dim=spec.head_size_v, block_size=block, cache_dtype=spec.dtype)
         # One head slot of ceil(page / block_size) bytes per token: the page, padded by
         # less than a byte per token.
         return replace(spec, dtype=torch.uint8, num_head_slots=1,
-                       state_content_bytes=-(-page // spec.block_size))
+                       state_content_bytes=-(-page // block))
 
     @staticmethod
     def get_impl_cls():
@@ -167,7 +181,7 @@ class KVPolicyAttentionImpl(AttentionImpl):
         # vLLM's own kernel for first prefills where K and V share a head size (its caches'
         # layout); else torch's SDPA
         same = layout.v_head_dim == layout.head_dim
-        paged = PagedKV(layout, scale=self.scale, rope=served.rope,
+        paged = PagedKV(layout, scale=self.scale, rope=served.rope_for(index),
                         value_rotation=pol.rotation, window=self.sliding_window,
                         softcap=self.softcap, backend="auto",
                         prefill=_fused_prefill() if same else None)

@@ -13,12 +13,6 @@ __all__ = ["configure_engine"]
 log = logging.getLogger("vllm.kvpolicy")  # vLLM's handlers print it
 
 
-def _sliding(hf_config: Any) -> bool:
-    types = getattr(hf_config, "layer_types", None) or ()
-    return bool(getattr(hf_config, "sliding_window", None)) and (
-        not types or "sliding_attention" in types)
-
-
 def configure_engine(vllm_config: Any) -> None:
     """Derive the policy named in ``additional_config`` (a no-op without one), refuse what
     it cannot serve, and set the block size it needs."""
@@ -40,19 +34,12 @@ def configure_engine(vllm_config: Any) -> None:
         raise PolicyError(f"kvpolicy cannot serve {kinds[0]} in vLLM; serve it without "
                           "additional_config['kvpolicy'], or compile it with compile_model")
     served = served_policy(mc.model, value, int(mc.max_model_len))
-    hf = mc.hf_text_config
     served.check_model(num_layers=mc.get_total_num_hidden_layers(),
                        num_kv_heads=mc.get_total_num_kv_heads(), head_dim=mc.get_head_size())
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise PolicyError("kvpolicy does not serve speculative decoding (a rejected draft "
                           "token would have to leave the packed cache); drop "
                           "speculative_config")
-    if not served.full_precision() and _sliding(hf):
-        raise PolicyError(
-            f"kvpolicy serves sliding-window layers ({mc.hf_config.model_type}) in vLLM only "
-            "with a 16-bit policy so far: vLLM sizes their blocks from a per-token page, "
-            "which a packed page is not; use compile_model for this model, or "
-            '{"kvpolicy": 16}')
     chunk = served.chunk()
     if served.full_precision():
         return

@@ -75,6 +75,15 @@ class ServedPolicy:
     rope: RotarySpec | None  # the table of pre-RoPE keys, None: keys stored as given
     rope_why: str  # why keys are (not) stored before RoPE, for the log and inspect
     model_dtype: torch.dtype
+    # per layer, where layer types rotate differently (Gemma3's local and global layers);
+    # then ``rope`` is None
+    layer_ropes: dict[int, RotarySpec] | None = None
+
+    def rope_for(self, layer: int) -> RotarySpec | None:
+        """The rotary table of ``layer``'s pre-RoPE keys, None: its keys stored as given."""
+        if self.layer_ropes is not None:
+            return self.layer_ropes.get(layer)
+        return self.rope
 
     @property
     def layers(self) -> list[int]:
@@ -187,33 +196,52 @@ def _cache_key(model_path: str, value: Any) -> str:
     return h.hexdigest()[:24]
 
 
-def _rope_table(model: torch.nn.Module, policy: ModelPolicy,
-                max_positions: int) -> tuple[RotarySpec | None, str]:
+def _rope_table(model: torch.nn.Module, policy: ModelPolicy, max_positions: int
+                ) -> tuple[RotarySpec | None, dict[int, RotarySpec] | None, str]:
     """The rotary table of the model's pre-RoPE keys, from the model's own rotary module
-    (``model.model.rotary_emb``), or None and why."""
+    (``model.model.rotary_emb``): one for every layer, or one per layer where the module
+    takes a layer type (Gemma3's local and global layers rotate at different bases); or
+    None and why."""
     keys = [t for t in policy.tensors if t.tensor.value == "key"]
     pre = [t for t in keys if t.pre_rope and t.bits < 16]
     if not pre:
-        return None, "no quantized key is cached before RoPE"
+        return None, None, "no quantized key is cached before RoPE"
     styles = {(t.rope_style, t.rotary_dim) for t in pre}
     if len(styles) != 1:
-        return None, f"layers rotate keys differently ({sorted(styles, key=str)})"
+        return None, None, f"layers rotate keys differently ({sorted(styles, key=str)})"
     style, rdim = styles.pop()
-    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    inner = getattr(model, "model", None)
+    rotary = getattr(inner, "rotary_emb", None)
     if style != "rotate_half" or rotary is None:
-        return None, (f"the rotation ({style}) is not one the plugin can read off the model "
-                      "(model.model.rotary_emb, rotate_half)")
+        return None, None, (f"the rotation ({style}) is not one the plugin can read off "
+                            "the model (model.model.rotary_emb, rotate_half)")
     pos = torch.arange(max_positions)[None]
     x = torch.zeros(1, dtype=torch.float32)
+
+    def table(*extra: str) -> RotarySpec:
+        cos, sin = rotary(x, pos, *extra)
+        cos, sin = cos[0].float(), sin[0].float()
+        if cos.shape[-1] != rdim:
+            raise ValueError(f"the model's rotary table has {cos.shape[-1]} channels, "
+                             f"keys {rdim}")
+        return RotarySpec("rotate_half", rdim, cos.contiguous(), sin.contiguous())
+
+    why = f"keys cached before RoPE ({style} {rdim}), rotated back from vLLM's keys"
     try:
-        cos, sin = rotary(x, pos)
-    except TypeError as e:  # e.g. a rotary module that needs a layer type (Gemma3)
-        return None, f"the model's rotary module needs more than positions ({e})"
-    cos, sin = cos[0].float(), sin[0].float()
-    if cos.shape[-1] != rdim:
-        return None, f"the model's rotary table has {cos.shape[-1]} channels, keys {rdim}"
-    return RotarySpec("rotate_half", rdim, cos.contiguous(), sin.contiguous()), \
-        f"keys cached before RoPE ({style} {rdim}), rotated back from vLLM's keys"
+        return table(), None, why
+    except TypeError as e:  # a rotary module that needs a layer type (Gemma3)
+        types = getattr(getattr(model, "config", None), "layer_types", None)
+        if not types:
+            return None, None, f"the model's rotary module needs more than positions ({e})"
+    except ValueError as e:
+        return None, None, str(e)
+    try:
+        by_type = {t: table(t) for t in sorted(set(types))}
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
+        return None, None, f"the model's rotary module takes no layer type ({e})"
+    layers = {t.layer for t in pre}
+    return None, {i: by_type[types[i]] for i in sorted(layers)}, \
+        f"{why}, one table per layer type ({', '.join(sorted(by_type))})"
 
 
 def _derive(model_path: str, value: Any, max_positions: int) -> ServedPolicy:
@@ -232,11 +260,11 @@ def _derive(model_path: str, value: Any, max_positions: int) -> ServedPolicy:
     # (a budget over pages, budget_pages, prices scalar codes only: calibrate.apply)
     pol = derive_policy(model, bits=bits, policy=policy, calibration=tokenizer,
                         progress=False)
-    rope, why = _rope_table(model, pol, max_positions)
+    rope, layer_ropes, why = _rope_table(model, pol, max_positions)
     dtype = getattr(model.config, "dtype", None)
     del model
     return ServedPolicy(pol, rope, why, dtype if isinstance(dtype, torch.dtype)
-                        else torch.float32)
+                        else torch.float32, layer_ropes)
 
 
 _MEMO: dict[tuple, ServedPolicy] = {}
@@ -274,23 +302,39 @@ _ERROR = "kvpolicy-error: "
 def _read(where: Path) -> ServedPolicy:
     pol = ModelPolicy.model_validate_json((where / "policy.json").read_text())
     meta = json.loads((where / "meta.json").read_text())
-    rope = None
+    rope, layer_ropes = None, None
     if meta["rope"]:
         t = torch.load(where / "rope.pt")
-        rope = RotarySpec("rotate_half", meta["rotary_dim"], t["cos"], t["sin"])
-    return ServedPolicy(pol, rope, meta["why"], getattr(torch, meta["dtype"]))
+
+        def spec(i: int) -> RotarySpec:
+            return RotarySpec("rotate_half", meta["rotary_dim"], t["cos"][i], t["sin"][i])
+        if meta.get("layers") is None:
+            rope = spec(0)
+        else:  # per layer: the index of its table
+            layer_ropes = {int(layer): spec(i) for layer, i in meta["layers"].items()}
+    return ServedPolicy(pol, rope, meta["why"], getattr(torch, meta["dtype"]), layer_ropes)
 
 
 def _store(served: ServedPolicy, where: Path) -> None:
     tmp = where.with_name(where.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "policy.json").write_text(served.policy.model_dump_json())
+    # the distinct tables, stacked, and (per layer) which one each layer rotates with
+    tables: list[RotarySpec] = [] if served.rope is None else [served.rope]
+    layers = None
+    if served.layer_ropes is not None:
+        layers = {}
+        for layer, r in served.layer_ropes.items():
+            if not any(r is t for t in tables):
+                tables.append(r)
+            layers[layer] = next(i for i, t in enumerate(tables) if t is r)
     (tmp / "meta.json").write_text(json.dumps({
-        "rope": served.rope is not None, "why": served.rope_why,
-        "rotary_dim": None if served.rope is None else served.rope.rotary_dim,
+        "rope": bool(tables), "why": served.rope_why, "layers": layers,
+        "rotary_dim": tables[0].rotary_dim if tables else None,
         "dtype": str(served.model_dtype).removeprefix("torch.")}))
-    if served.rope is not None:
-        torch.save({"cos": served.rope.cos, "sin": served.rope.sin}, tmp / "rope.pt")
+    if tables:
+        torch.save({"cos": torch.stack([t.cos for t in tables]),
+                    "sin": torch.stack([t.sin for t in tables])}, tmp / "rope.pt")
     try:
         tmp.rename(where)
     except OSError:  # another process got there first, with the same content

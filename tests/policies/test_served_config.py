@@ -150,3 +150,31 @@ def test_vq_values_without_text_to_fit_them_on_are_refused(checkpoint, monkeypat
     said = _refused(_engine(*checkpoint, VQ), monkeypatch, tmp_path)
     assert "levels: vq fits its codebooks on calibration text" in said
     assert "use levels: uniform" in said
+
+
+def test_a_sliding_window_model_is_served_with_one_rope_table_per_layer_type(
+        tmp_path, monkeypatch):
+    """Gemma3 at 2 bits: configured (no longer refused), and its local and global layers'
+    pre-RoPE keys carry the rotary tables of their own layer type, through the disk cache
+    the engine's processes read."""
+    import torch
+
+    from kvpolicy.vllm import policy as served_mod
+    model = tiny_model("gemma3_text", sliding_window=16, max_position_embeddings=256,
+                       layer_types=["sliding_attention", "full_attention"])
+    path = tmp_path / "gemma3"
+    model.save_pretrained(path)
+    engine = _engine(model.config, str(path), 2)
+    monkeypatch.setenv("KVPOLICY_CACHE", str(tmp_path / "cache"))
+    configure_engine(engine)
+    assert engine.cache_config.block_size % 32 == 0
+    served_mod._MEMO.clear()  # read back from disk, as the engine's workers do
+    served = served_mod.served_policy(str(path), 2, 256)
+    assert served.rope is None and "one table per layer type" in served.rope_why
+    x, pos = torch.zeros(1), torch.arange(256)[None]
+    for layer, kind in enumerate(model.config.layer_types):
+        cos, sin = model.model.rotary_emb(x, pos, kind)
+        got = served.rope_for(layer)
+        torch.testing.assert_close(got.cos, cos[0].float())
+        torch.testing.assert_close(got.sin, sin[0].float())
+    assert not torch.equal(served.rope_for(0).cos, served.rope_for(1).cos)
