@@ -99,7 +99,7 @@ class KVPolicyAttentionBackend(CPUAttentionBackend):
         if block % served.chunk():
             # vLLM probes sliding-window layers with a one-token spec and picks their block
             # size as the page budget over its bytes: any per-token figure gives the engine's
-            # block size back, and the final spec (whole blocks) is customized again below.
+            # block size back, and vLLM customizes the final spec (whole blocks) again.
             block = _engine_block_size(served)
         page = served.page_bytes(
             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,

@@ -210,8 +210,7 @@ def _rope_table(model: torch.nn.Module, policy: ModelPolicy, max_positions: int
     if len(styles) != 1:
         return None, None, f"layers rotate keys differently ({sorted(styles, key=str)})"
     style, rdim = styles.pop()
-    inner = getattr(model, "model", None)
-    rotary = getattr(inner, "rotary_emb", None)
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     if style != "rotate_half" or rotary is None:
         return None, None, (f"the rotation ({style}) is not one the plugin can read off "
                             "the model (model.model.rotary_emb, rotate_half)")
@@ -237,7 +236,9 @@ def _rope_table(model: torch.nn.Module, policy: ModelPolicy, max_positions: int
         return None, None, str(e)
     try:
         by_type = {t: table(t) for t in sorted(set(types))}
-    except (TypeError, ValueError, AttributeError, KeyError) as e:
+    except ValueError as e:  # a table of the wrong width, as above
+        return None, None, str(e)
+    except (TypeError, AttributeError, KeyError) as e:
         return None, None, f"the model's rotary module takes no layer type ({e})"
     layers = {t.layer for t in pre}
     return None, {i: by_type[types[i]] for i in sorted(layers)}, \
